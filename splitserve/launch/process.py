@@ -1,0 +1,189 @@
+"""Child processes that are started, waited for, and always stopped.
+
+Used by the test harness and by ``splitserve up``. Each process runs in its own session (process
+group), writes stdout and stderr to one log file, and is stopped as a whole tree: SIGTERM to the
+group and every descendant, a grace period, then SIGKILL. Engines spawn helpers (vLLM's
+EngineCore, SGLang's scheduler and detokenizer), so killing only the top pid would leak them.
+
+Readiness is a bounded wait on a probe; a process that exits or misses its deadline raises
+``ProcessStartError`` carrying the tail of its log, so a failing start explains itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessStartError(RuntimeError):
+    """A managed process died or did not become ready in time."""
+
+    def __init__(self, name: str, reason: str, log_tail: str) -> None:
+        super().__init__(f"{name}: {reason}\n--- last log lines of {name} ---\n{log_tail}")
+        self.name = name
+        self.reason = reason
+        self.log_tail = log_tail
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports (held open together while chosen, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when GET ``url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ManagedProcess:
+    """One child process with a log file, a readiness wait and a tree-wide stop."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> ManagedProcess:
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            data = self.log_path.read_bytes()[-65536:]
+        except OSError:
+            return "(no log)"
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    def wait_ready(
+        self,
+        probe: Callable[[], bool],
+        timeout: float,
+        interval: float = 0.5,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> float:
+        """Poll ``probe`` until it returns True; return the seconds waited.
+
+        Raises ``ProcessStartError`` if the process exits first or ``timeout`` passes.
+        """
+        t0 = time.monotonic()
+        while True:
+            if not self.alive():
+                raise ProcessStartError(
+                    self.name, f"exited with code {self.returncode()} during start-up", self.tail()
+                )
+            if probe():
+                return time.monotonic() - t0
+            waited = time.monotonic() - t0
+            if waited > timeout:
+                raise ProcessStartError(
+                    self.name, f"not ready after {timeout:.0f} s", self.tail()
+                )
+            if on_wait is not None:
+                on_wait(waited)
+            time.sleep(interval)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the process and every descendant: SIGTERM, then SIGKILL after ``grace``."""
+        if self.proc is None:
+            return
+        procs = _tree(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        # Children may have forked after we listed them: list again before killing.
+        leftovers = {p.pid: p for p in alive}
+        leftovers.update({p.pid: p for p in _tree(self.proc.pid)})
+        for p in leftovers.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        psutil.wait_procs(list(leftovers.values()), timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        logger.info("stopped %s (pid %d)", self.name, self.proc.pid)
+
+    def __enter__(self) -> ManagedProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants that still exist."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []

@@ -1,0 +1,80 @@
+"""Shared pytest fixtures: test models and real engine servers.
+
+Servers are expensive (about a minute each on our CPU machines), so they are session-scoped and
+shared: ask ``servers.vllm(key, ...)`` for a server and every test asking with the same key gets
+the same process. Everything the session started is stopped, as whole process trees, when the
+session ends (also when it fails).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitserve.launch.group import Server, ServerGroup
+from splitserve.models import build_model, resolve_spec
+
+# Bound on one server's start-up. Two servers side by side on 2 cores take about 2 minutes.
+SERVER_START_TIMEOUT = float(os.environ.get("SPLITSERVE_TEST_SERVER_TIMEOUT", "420"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``tiny`` preset, built once per test session."""
+    return build_model(resolve_spec("tiny"), tmp_path_factory.mktemp("models") / "tiny")
+
+
+class ServerPool:
+    """Session-wide cache of running servers, keyed by what the test asks for."""
+
+    def __init__(self, group: ServerGroup) -> None:
+        self.group = group
+
+    def vllm(
+        self,
+        key: str,
+        model: str | Path,
+        *,
+        served_model_name: str = "tiny",
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        extra_args: Sequence[str] = (),
+        cpu_core: int | None = None,
+        env: Mapping[str, str] | None = None,
+        wait: bool = True,
+    ) -> Server:
+        """The vLLM server registered under ``key``, started on first request.
+
+        With ``wait=False`` it returns at once (start several, then ``wait_all``).
+        """
+        server = self.group.servers.get(key)
+        if server is None:
+            server = self.group.add_vllm(
+                key,
+                str(model),
+                served_model_name=served_model_name,
+                kv_transfer_config=kv_transfer_config,
+                extra_args=extra_args,
+                cpu_core=cpu_core,
+                env=env,
+            )
+        if wait:
+            self.group.wait(SERVER_START_TIMEOUT, names=[key], stop_group_on_failure=False)
+        return server
+
+    def wait_all(self, *keys: str) -> None:
+        self.group.wait(
+            SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False
+        )
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    group = ServerGroup(tmp_path_factory.mktemp("server-logs"))
+    try:
+        yield ServerPool(group)
+    finally:
+        group.stop()
