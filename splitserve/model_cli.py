@@ -15,8 +15,13 @@ def model() -> None:
 
 @model.command("build")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Directory to write the model to.")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to write the model to.",
+)
 @click.option("--layers", "num_layers", type=int, help="Number of decoder layers.")
 @click.option("--hidden-size", type=int)
 @click.option("--intermediate-size", type=int)

@@ -26,11 +26,58 @@ logger = logging.getLogger(__name__)
 
 # Synthetic vocabulary for the tokenizer corpus: a few real words (so prompts in examples read
 # naturally) plus seeded random ones.
-_BASE_WORDS = (
-    "the quick brown fox jumps over lazy dog cat sat on mat hello world cache token prefill "
-    "decode scheduler budget kv block memory layer attention model sample greedy user assistant "
-    "system what is a an of to and in for with you are how why when where which this that"
-).split()
+_BASE_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "hello",
+    "world",
+    "cache",
+    "token",
+    "prefill",
+    "decode",
+    "scheduler",
+    "budget",
+    "kv",
+    "block",
+    "memory",
+    "layer",
+    "attention",
+    "model",
+    "sample",
+    "greedy",
+    "user",
+    "assistant",
+    "system",
+    "what",
+    "is",
+    "a",
+    "an",
+    "of",
+    "to",
+    "and",
+    "in",
+    "for",
+    "with",
+    "you",
+    "are",
+    "how",
+    "why",
+    "when",
+    "where",
+    "which",
+    "this",
+    "that",
+]
 
 _CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<s>' if loop.first else '' }}{{ m['role'] }}: "
@@ -71,7 +118,7 @@ class ModelSpec(BaseModel):
 
 
 PRESETS: dict[str, ModelSpec] = {
-    # Fast tests: 4 layers, KV 8 KiB/token in fp32. Builds in seconds, serves in ~1 minute.
+    # Fast tests: 4 layers, KV 4 KiB/token in fp32. Builds in seconds, serves in ~1 minute.
     "tiny": ModelSpec(),
     # KV-heavy: 16 layers x 16 KV heads x head dim 128 = 256 KiB of fp32 KV per token, with cheap
     # GEMMs (hidden 512), so KV transfer is a visible share of prefill on a 2-core CPU.
@@ -155,7 +202,9 @@ def build_model(spec: ModelSpec, out_dir: str | os.PathLike[str]) -> Path:
     """Write a servable model directory for ``spec`` to ``out_dir`` and return its path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab, bos, eos, pad = _build_tokenizer(spec, out)

@@ -8,6 +8,7 @@ session ends (also when it fails).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -66,9 +67,7 @@ class ServerPool:
         return server
 
     def wait_all(self, *keys: str) -> None:
-        self.group.wait(
-            SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False
-        )
+        self.group.wait(SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False)
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +77,27 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
         yield ServerPool(group)
     finally:
         group.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any process started by the tests outlived them (and reap it)."""
+    import psutil
+
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    if not leftovers:
+        return
+    names = ", ".join(f"{p.pid} {_cmdline(p)}" for p in leftovers)
+    for p in leftovers:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    session.config.get_terminal_writer().line(
+        f"ERROR: processes outlived the test session: {names}", red=True
+    )
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _cmdline(p) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except Exception:  # noqa: BLE001 - the process may be gone or a zombie
+        return "?"

@@ -142,9 +142,7 @@ class ManagedProcess:
                 return time.monotonic() - t0
             waited = time.monotonic() - t0
             if waited > timeout:
-                raise ProcessStartError(
-                    self.name, f"not ready after {timeout:.0f} s", self.tail()
-                )
+                raise ProcessStartError(self.name, f"not ready after {timeout:.0f} s", self.tail())
             if on_wait is not None:
                 on_wait(waited)
             time.sleep(interval)
