@@ -9,7 +9,8 @@
 # On a GPU machine it installs the `vllm` extra instead.
 #
 # Idempotence: the stamp .venv/.splitserve-stamp holds a hash of everything that decides the
-# install (this script, pyproject.toml, the device kind, the Python version). Same hash, no work.
+# install (this script, the [project] and [build-system] tables of pyproject.toml, the device
+# kind, the Python version). Same hash, no work; a tool setting (ruff, pytest) changes nothing.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -35,7 +36,16 @@ else
 fi
 case "$DEVICE" in cpu|gpu) ;; *) fail "SPLITSERVE_DEVICE='$DEVICE'" "use cpu or gpu";; esac
 
-KEY=$( { cat scripts/bootstrap.sh pyproject.toml; echo "$DEVICE"; "$PY" -VV; } | sha256sum | cut -d' ' -f1)
+install_spec() {
+    "$PY" - <<'PYEOF'
+import json, tomllib
+with open("pyproject.toml", "rb") as f:
+    d = tomllib.load(f)
+print(json.dumps([d.get("build-system"), d.get("project")], sort_keys=True))
+PYEOF
+}
+SPEC=$(install_spec) || fail "pyproject.toml does not parse" "fix the TOML syntax error above"
+KEY=$( { cat scripts/bootstrap.sh; echo "$SPEC"; echo "$DEVICE"; "$PY" -VV; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ]; then
     echo "bootstrap: $VENV is up to date ($DEVICE), nothing to install"
     exit 0
