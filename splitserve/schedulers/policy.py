@@ -1,0 +1,266 @@
+"""The adaptive token budget: how many prefill tokens the next step may carry.
+
+Pure and engine-agnostic (no vLLM / SGLang import): the engine adapters
+(``splitserve.schedulers.vllm``, ...) describe the next step as a :class:`StepState`, call
+:meth:`BudgetPolicy.decide`, apply the answer, and report each executed step back through
+:meth:`BudgetPolicy.observe`. It runs in the engine's scheduling process (vLLM: EngineCore),
+once per step, and costs a few microseconds (a binary search over at most ``max/alignment``
+aligned candidates, each a 4-term dot product).
+
+How it decides (see docs/scheduler.md):
+
+- nothing decoding: the maximum chunk (there is no inter-token latency to protect);
+- otherwise: the largest multiple of ``alignment`` in ``[min_chunk, max_chunk]`` whose predicted
+  step time, enlarged by ``safety_sigmas`` robust relative residual scales, stays under
+  ``target_itl_ms``; the
+  minimum chunk when even that one does not fit (prefill must always progress);
+- increases are smoothed (``increase_smoothing``), decreases apply at once.
+
+Invariants: ``min_chunk <= budget <= max_chunk``; with decodes running the budget is a multiple of
+``alignment``; for the same model state a heavier decode load never gets a larger budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from splitserve.schedulers.step_model import (
+    Observation,
+    RobustStepModel,
+    StepFeatures,
+    StepModelSettings,
+    chunk_attention_pairs,
+)
+
+# Pending prefill requests looked at when predicting a step; a budget spanning more prompts than
+# this is rare, and ignoring the rest only under-counts sequences.
+_MAX_PREFILLS_CONSIDERED = 64
+
+
+class BudgetPolicySettings(BaseModel):
+    """Settings of the adaptive chunk-size scheduler (all engines).
+
+    ``None`` for ``alignment``, ``min_chunk`` or ``max_chunk`` means "from the engine": its KV
+    block size, one alignment unit, and its start-up ``max_num_batched_tokens``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_itl_ms: float = Field(
+        50.0, gt=0, description="inter-token latency target: the predicted step time limit"
+    )
+    min_chunk: int | None = Field(None, ge=1, description="smallest prefill budget (tokens)")
+    max_chunk: int | None = Field(None, ge=1, description="largest prefill budget (tokens)")
+    alignment: int | None = Field(None, ge=1, description="budgets are multiples of this")
+    safety_sigmas: float = Field(
+        2.0, ge=0, description="margin: predictions are enlarged by this many relative scales"
+    )
+    increase_smoothing: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="0 jumps up at once; s moves a fraction (1-s) of the way up per step",
+    )
+    step_model: StepModelSettings = Field(default_factory=StepModelSettings)
+    log_interval_s: float = Field(
+        10.0, gt=0, description="adapter: seconds between info-level budget summaries"
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="adapter: serve Prometheus metrics from the scheduling process on this port",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> BudgetPolicySettings:
+        if (
+            self.min_chunk is not None
+            and self.max_chunk is not None
+            and self.min_chunk > self.max_chunk
+        ):
+            raise ValueError(
+                f"min_chunk ({self.min_chunk}) must not exceed max_chunk ({self.max_chunk})"
+            )
+        if (
+            self.min_chunk is not None
+            and self.alignment is not None
+            and self.min_chunk % self.alignment
+        ):
+            raise ValueError(
+                f"min_chunk ({self.min_chunk}) must be a multiple of alignment ({self.alignment})"
+            )
+        return self
+
+    def resolve(self, *, engine_block_size: int, engine_max_tokens: int) -> ResolvedBounds:
+        """Fill the engine-derived defaults; ValueError (naming the field) when they clash."""
+        alignment = self.alignment or engine_block_size
+        max_chunk = self.max_chunk if self.max_chunk is not None else engine_max_tokens
+        if max_chunk > engine_max_tokens:
+            raise ValueError(
+                f"max_chunk ({max_chunk}) exceeds the engine's start-up "
+                f"max_num_batched_tokens ({engine_max_tokens})"
+            )
+        min_chunk = self.min_chunk if self.min_chunk is not None else alignment
+        if min_chunk % alignment:
+            raise ValueError(
+                f"min_chunk ({min_chunk}) must be a multiple of alignment ({alignment})"
+            )
+        if min_chunk > max_chunk:
+            raise ValueError(
+                f"min_chunk ({min_chunk}) must not exceed max_chunk ({max_chunk}); "
+                f"alignment is {alignment}"
+            )
+        return ResolvedBounds(alignment=alignment, min_chunk=min_chunk, max_chunk=max_chunk)
+
+
+@dataclass(frozen=True)
+class ResolvedBounds:
+    alignment: int
+    min_chunk: int
+    max_chunk: int
+
+
+@dataclass(frozen=True)
+class PendingPrefill:
+    """A request with prompt tokens still to compute, in the order the engine will take them."""
+
+    remaining_tokens: int
+    computed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the next step holds before the budget is chosen."""
+
+    decode_context_lens: Sequence[int]
+    prefills: Sequence[PendingPrefill] = ()
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_context_lens)
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return sum(p.remaining_tokens for p in self.prefills)
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """The prefill allowance for one step and why."""
+
+    prefill_budget: int
+    predicted_step_s: float
+    reason: str  # "no_decodes" | "fits" | "min_chunk"
+
+
+class BudgetPolicy:
+    """Chooses each step's prefill budget and learns step times (one instance per engine)."""
+
+    def __init__(
+        self, settings: BudgetPolicySettings, bounds: ResolvedBounds, model: RobustStepModel
+    ) -> None:
+        self.settings = settings
+        self.bounds = bounds
+        self.model = model
+        self._previous_budget: int | None = None
+
+    @classmethod
+    def create(
+        cls, settings: BudgetPolicySettings, *, engine_block_size: int, engine_max_tokens: int
+    ) -> BudgetPolicy:
+        bounds = settings.resolve(
+            engine_block_size=engine_block_size, engine_max_tokens=engine_max_tokens
+        )
+        return cls(settings, bounds, RobustStepModel(settings.step_model))
+
+    def decide(self, state: StepState) -> BudgetDecision:
+        """The prefill budget for the next step (tokens on top of one per decode)."""
+        if state.num_decodes == 0:
+            budget = self.bounds.max_chunk
+            self._previous_budget = budget
+            return BudgetDecision(budget, self.predict_s(state, budget), "no_decodes")
+
+        align = self.bounds.alignment
+        lo = self.bounds.min_chunk // align
+        hi = self.bounds.max_chunk // align
+        # The margin is relative, like the noise: predicted * (1 + k * scale) <= target.
+        limit_s = (self.settings.target_itl_ms / 1e3) / (
+            1.0 + self.settings.safety_sigmas * self.model.relative_scale
+        )
+        decode_tokens = state.num_decodes
+        decode_pairs = sum(c + 1 for c in state.decode_context_lens)
+
+        def fits(units: int) -> bool:
+            features = plan_features(state, units * align, decode_tokens, decode_pairs)
+            return self.model.predict_s(features) <= limit_s
+
+        if not fits(lo):
+            raw, reason = lo * align, "min_chunk"
+        else:
+            # Predictions never decrease with the budget (non-negative coefficients): bisect.
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            raw, reason = lo * align, "fits"
+
+        budget = self._smooth(raw)
+        return BudgetDecision(budget, self.predict_s(state, budget), reason)
+
+    def predict_s(self, state: StepState, prefill_budget: int) -> float:
+        """Predicted duration of the next step if it gets ``prefill_budget`` prefill tokens."""
+        decode_pairs = sum(c + 1 for c in state.decode_context_lens)
+        features = plan_features(state, prefill_budget, state.num_decodes, decode_pairs)
+        return self.model.predict_s(features)
+
+    def observe(self, executed: StepFeatures, measured_s: float) -> Observation:
+        """Learn from a step that ran (what it computed and how long it took)."""
+        return self.model.observe(executed, measured_s)
+
+    def _smooth(self, raw: int) -> int:
+        previous = self._previous_budget
+        if previous is None or raw <= previous:
+            budget = raw
+        else:
+            align = self.bounds.alignment
+            step = (raw - previous) * (1.0 - self.settings.increase_smoothing)
+            # At least one alignment unit up, at most to the raw answer, always aligned.
+            budget = min(raw, previous - previous % align + max(align, int(step) // align * align))
+            budget = max(budget, self.bounds.min_chunk)
+        self._previous_budget = budget
+        return budget
+
+
+def plan_features(
+    state: StepState,
+    prefill_budget: int,
+    decode_tokens: int | None = None,
+    decode_pairs: int | None = None,
+) -> StepFeatures:
+    """Features of the step the engine would run with this prefill budget (FCFS prefills).
+
+    ``decode_tokens`` / ``decode_pairs`` may be passed precomputed (the bisection does).
+    """
+    if decode_tokens is None:
+        decode_tokens = state.num_decodes
+    if decode_pairs is None:
+        decode_pairs = sum(c + 1 for c in state.decode_context_lens)
+    left = prefill_budget
+    tokens, sequences, pairs = decode_tokens, decode_tokens, decode_pairs
+    for prefill in state.prefills[:_MAX_PREFILLS_CONSIDERED]:
+        if left <= 0:
+            break
+        take = min(left, prefill.remaining_tokens)
+        if take <= 0:
+            continue
+        tokens += take
+        sequences += 1
+        pairs += chunk_attention_pairs(prefill.computed_tokens, take)
+        left -= take
+    return StepFeatures(tokens=tokens, sequences=sequences, attention_pairs=pairs)

@@ -1,0 +1,269 @@
+"""Unit tests of the pure adaptive-budget policy and its robust step-time model."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from splitserve.schedulers.policy import (
+    BudgetPolicy,
+    BudgetPolicySettings,
+    PendingPrefill,
+    StepState,
+    plan_features,
+)
+from splitserve.schedulers.step_model import (
+    RobustStepModel,
+    StepFeatures,
+    StepModelPrior,
+    StepModelSettings,
+)
+
+ALIGN = 128
+ENGINE_MAX = 4096
+
+# The "machine" of the synthetic tests: a step costs this (ms per feature unit, see step_model).
+TRUE_MS = (4.0, 60.0, 3.0, 8.0)
+
+
+def true_step_s(features: StepFeatures) -> float:
+    return sum(c * v for c, v in zip(TRUE_MS, features.vector(), strict=True)) / 1e3
+
+
+def make_policy(**overrides) -> BudgetPolicy:
+    settings = BudgetPolicySettings(**{"target_itl_ms": 40.0, **overrides})
+    return BudgetPolicy.create(settings, engine_block_size=ALIGN, engine_max_tokens=ENGINE_MAX)
+
+
+def random_state(rng: random.Random, max_decodes: int = 64) -> StepState:
+    decodes = [rng.randint(16, 3000) for _ in range(rng.randint(0, max_decodes))]
+    prefills = [
+        PendingPrefill(rng.randint(1, 4000), rng.choice([0, 0, 512, 1024]))
+        for _ in range(rng.randint(0, 3))
+    ]
+    return StepState(decode_context_lens=decodes, prefills=prefills)
+
+
+def train(policy: BudgetPolicy, rng: random.Random, steps: int, noise: float = 0.03) -> None:
+    """Run the decide/execute/observe loop against the synthetic machine."""
+    for _ in range(steps):
+        state = random_state(rng)
+        # Explore: sometimes execute a random budget, as a real engine does when prompts end.
+        budget = policy.decide(state).prefill_budget
+        if rng.random() < 0.3:
+            budget = rng.choice(range(ALIGN, ENGINE_MAX + 1, ALIGN))
+        executed = plan_features(state, budget)
+        measured = true_step_s(executed) * (1 + rng.uniform(-noise, noise))
+        policy.observe(executed, measured)
+
+
+def oracle_budget(policy: BudgetPolicy, state: StepState) -> int:
+    """The largest aligned budget that keeps the true step, with the policy's margin, in target."""
+    margin = 1 + policy.settings.safety_sigmas * policy.model.relative_scale
+    best = policy.bounds.min_chunk
+    for budget in range(policy.bounds.min_chunk, policy.bounds.max_chunk + 1, ALIGN):
+        step_ms = true_step_s(plan_features(state, budget)) * 1e3 * margin
+        if step_ms <= policy.settings.target_itl_ms:
+            best = budget
+    return best
+
+
+def assert_near_oracle(policy: BudgetPolicy, state: StepState) -> None:
+    """The prefill tokens the step would carry are within one alignment unit of the oracle's."""
+    waiting = state.waiting_prefill_tokens
+    chosen = min(policy.decide(state).prefill_budget, waiting)
+    best = min(oracle_budget(policy, state), waiting)
+    assert abs(chosen - best) <= ALIGN, (chosen, best, state)
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def test_settings_defaults_resolve_from_engine() -> None:
+    bounds = BudgetPolicySettings().resolve(engine_block_size=16, engine_max_tokens=8192)
+    assert (bounds.alignment, bounds.min_chunk, bounds.max_chunk) == (16, 16, 8192)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"target_itl_ms": 0}, "target_itl_ms"),
+        ({"min_chunk": 0}, "min_chunk"),
+        ({"increase_smoothing": 1.0}, "increase_smoothing"),
+        ({"chunk_size": 512}, "chunk_size"),
+        ({"step_model": {"forgetting_factor": 2}}, "forgetting_factor"),
+        ({"step_model": {"prior": {"intercept_ms": -1}}}, "intercept_ms"),
+        ({"min_chunk": 512, "max_chunk": 256}, "min_chunk"),
+        ({"min_chunk": 100, "alignment": 64}, "alignment"),
+    ],
+)
+def test_settings_errors_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        BudgetPolicySettings(**kwargs)
+
+
+def test_resolve_rejects_chunks_beyond_the_engine() -> None:
+    with pytest.raises(ValueError, match=r"max_chunk \(8192\).*max_num_batched_tokens \(4096\)"):
+        BudgetPolicySettings(max_chunk=8192).resolve(engine_block_size=16, engine_max_tokens=4096)
+    with pytest.raises(ValueError, match=r"min_chunk \(100\) must be a multiple of alignment"):
+        BudgetPolicySettings(min_chunk=100).resolve(engine_block_size=16, engine_max_tokens=4096)
+
+
+def test_policy_module_imports_no_engine() -> None:
+    code = (
+        "import sys, splitserve.schedulers.policy, splitserve.schedulers.step_model; "
+        "bad = [m for m in ('vllm', 'sglang', 'torch') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- decisions ------------------------------------------------------------------------------
+
+
+def test_no_decodes_gives_the_maximum_chunk() -> None:
+    policy = make_policy(target_itl_ms=0.001)  # nothing would fit the target
+    state = StepState(decode_context_lens=[], prefills=[PendingPrefill(100_000)])
+    decision = policy.decide(state)
+    assert (decision.prefill_budget, decision.reason) == (ENGINE_MAX, "no_decodes")
+
+
+def test_unaligned_maximum_is_used_whole_when_nothing_decodes() -> None:
+    policy = BudgetPolicy.create(
+        BudgetPolicySettings(), engine_block_size=128, engine_max_tokens=1000
+    )
+    assert policy.decide(StepState(decode_context_lens=[])).prefill_budget == 1000
+    decision = policy.decide(StepState(decode_context_lens=[10], prefills=[PendingPrefill(50)]))
+    assert decision.prefill_budget % 128 == 0 and decision.prefill_budget <= 1000
+
+
+def test_minimum_chunk_when_nothing_fits() -> None:
+    policy = make_policy(target_itl_ms=0.001, min_chunk=256)
+    decision = policy.decide(StepState([500] * 8, [PendingPrefill(10_000)]))
+    assert (decision.prefill_budget, decision.reason) == (256, "min_chunk")
+
+
+def test_budgets_respect_bounds_and_alignment() -> None:
+    rng = random.Random(1)
+    for target in (5.0, 40.0, 400.0):
+        policy = make_policy(target_itl_ms=target, min_chunk=256, max_chunk=3000)
+        train(policy, rng, 50)
+        for _ in range(300):
+            state = random_state(rng, max_decodes=200)
+            budget = policy.decide(state).prefill_budget
+            assert 256 <= budget <= 3000
+            if state.num_decodes:
+                assert budget % ALIGN == 0
+
+
+def test_budget_is_non_increasing_as_decode_load_grows() -> None:
+    rng = random.Random(2)
+    policy = make_policy(increase_smoothing=0.0)
+    train(policy, rng, 300)
+    prefills = [PendingPrefill(8000, 0)]
+    for context in (64, 1024, 4096):
+        budgets = [
+            policy.decide(StepState([context] * n, prefills)).prefill_budget
+            for n in range(1, 200, 3)
+        ]
+        assert budgets == sorted(budgets, reverse=True), budgets
+        assert budgets[0] > budgets[-1]  # the load really mattered
+    # Longer contexts (more attention work) for the same count: no larger budget either.
+    by_context = [
+        policy.decide(StepState([c] * 16, prefills)).prefill_budget for c in (16, 512, 2048, 8000)
+    ]
+    assert by_context == sorted(by_context, reverse=True)
+
+
+def test_increases_are_smoothed_and_decreases_immediate() -> None:
+    policy = make_policy(increase_smoothing=0.5, target_itl_ms=60.0)
+    rng = random.Random(3)
+    train(policy, rng, 300)
+    heavy = StepState([8000] * 250, [PendingPrefill(10_000)])
+    light = StepState([100] * 2, [PendingPrefill(10_000)])
+    low = policy.decide(heavy).prefill_budget
+    unsmoothed = make_policy(increase_smoothing=0.0, target_itl_ms=60.0)
+    unsmoothed.model = policy.model
+    target = unsmoothed.decide(light).prefill_budget
+    assert target > low + 2 * ALIGN
+    climb = [policy.decide(light).prefill_budget for _ in range(12)]
+    assert low < climb[0] < target
+    assert climb == sorted(climb) and climb[-1] == target
+    assert policy.decide(heavy).prefill_budget == low
+
+
+# --- the step-time model --------------------------------------------------------------------
+
+
+def test_converges_on_synthetic_step_times() -> None:
+    rng = random.Random(4)
+    policy = make_policy(increase_smoothing=0.0)
+    train(policy, rng, 400)
+    errors = []
+    for _ in range(200):
+        state = random_state(rng)
+        features = plan_features(state, rng.choice(range(ALIGN, ENGINE_MAX + 1, ALIGN)))
+        errors.append(abs(policy.model.predict_s(features) / true_step_s(features) - 1))
+    assert max(errors) < 0.05, max(errors)
+    # The decisions match the true machine's best answer, within one alignment unit (the safety
+    # margin of a few percent noise).
+    for _ in range(100):
+        state = random_state(rng)
+        if state.num_decodes:
+            assert_near_oracle(policy, state)
+
+
+def test_a_single_outlier_is_ignored() -> None:
+    rng = random.Random(5)
+    policy = make_policy(increase_smoothing=0.0)
+    train(policy, rng, 300)
+    probes = [random_state(rng) for _ in range(50)]
+    before = [policy.decide(s).prefill_budget for s in probes]
+    coefficients = policy.model.coefficients
+    executed = plan_features(StepState([300] * 8, [PendingPrefill(512)]), 512)
+    observation = policy.observe(executed, true_step_s(executed) * 40)  # a GC pause
+    assert not observation.accepted
+    assert observation.error_s > 0
+    assert policy.model.coefficients == coefficients
+    assert [policy.decide(s).prefill_budget for s in probes] == before
+
+
+def test_a_cold_start_does_not_collapse_the_budget() -> None:
+    rng = random.Random(6)
+    policy = make_policy(increase_smoothing=0.0)
+    first = plan_features(StepState([], [PendingPrefill(4000)]), 4000)
+    policy.observe(first, 30.0)  # the first step compiles kernels, warms caches: 30 s
+    train(policy, rng, 300)
+    for _ in range(100):
+        state = random_state(rng)
+        if state.num_decodes:
+            assert_near_oracle(policy, state)
+
+
+def test_a_lasting_slowdown_is_learned() -> None:
+    rng = random.Random(7)
+    policy = make_policy(increase_smoothing=0.0)
+    train(policy, rng, 300)
+    state = StepState([800] * 24, [PendingPrefill(10_000)])
+    before = policy.decide(state).prefill_budget
+    for _ in range(60):  # the machine becomes 2x slower (another tenant arrived)
+        features = plan_features(random_state(rng), rng.choice(range(ALIGN, 4097, ALIGN)))
+        policy.observe(features, 2 * true_step_s(features))
+    after = policy.decide(state).prefill_budget
+    assert after < before
+    features = plan_features(state, 1024)
+    assert policy.model.predict_s(features) == pytest.approx(2 * true_step_s(features), rel=0.15)
+
+
+def test_coefficients_stay_non_negative() -> None:
+    model = RobustStepModel(StepModelSettings(prior=StepModelPrior(ms_per_1m_pairs=50.0)))
+    rng = random.Random(8)
+    for _ in range(200):  # steps whose cost does not grow with attention at all
+        features = StepFeatures(rng.randint(1, 4000), rng.randint(1, 100), rng.randint(1, 10**7))
+        model.observe(features, (1 + features.tokens / 100) / 1e3)
+    assert all(value >= 0 for value in model.coefficients.values())
+    assert model.coefficients["ms_per_1m_pairs"] < 1.0
