@@ -1,0 +1,130 @@
+"""``splitserve proxy``: run the prefill/decode proxy from flags or a YAML file.
+
+Runs in the proxy process (the command's own). Bad settings stop start-up with one line per
+problem naming the field, and exit code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import click
+
+from splitserve.proxy.config import ConfigError, ProxyConfig, build_config, load_config
+
+logger = logging.getLogger(__name__)
+
+
+def _endpoints(urls: tuple[str, ...], ports: tuple[int, ...], key: str) -> list[dict[str, Any]]:
+    if ports and len(ports) != len(urls):
+        raise ConfigError(
+            f"prefill.{key}: give one --{key.replace('_', '-')} per --prefill "
+            f"({len(urls)} servers, {len(ports)} ports)"
+        )
+    out: list[dict[str, Any]] = [{"url": u} for u in urls]
+    for entry, port in zip(out, ports, strict=False):
+        entry[key] = port
+    return out
+
+
+def config_from_options(
+    config_file: str | None,
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    side_channel_port: tuple[int, ...],
+    bootstrap_port: tuple[int, ...],
+    overrides: dict[str, Any],
+) -> ProxyConfig:
+    """Merge a YAML file (if any) with the flags; flags win."""
+    data: dict[str, Any] = {}
+    if config_file:
+        data = load_config(config_file).model_dump(exclude_unset=True)
+        for k in ("api_key", "upstream_api_key"):  # keep secrets as plain strings for re-validation
+            if k in data and data[k] is not None:
+                data[k] = data[k].get_secret_value()
+    if prefill:
+        entries = _endpoints(prefill, side_channel_port, "side_channel_port")
+        if bootstrap_port:
+            for e, b in zip(
+                entries, _endpoints(prefill, bootstrap_port, "bootstrap_port"), strict=True
+            ):
+                e.update(b)
+        data["prefill"] = entries
+    elif side_channel_port or bootstrap_port:
+        raise ConfigError("prefill: --side-channel-port / --bootstrap-port need --prefill URLs")
+    if decode:
+        data["decode"] = [{"url": u} for u in decode]
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    for key in ("prefill", "decode"):
+        if key not in data:
+            raise ConfigError(f"{key}: give at least one --{key} URL (or a --config file)")
+    return build_config(data)
+
+
+@click.command("proxy")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML settings.")
+@click.option("--prefill", multiple=True, metavar="URL", help="A prefill server (repeat).")
+@click.option("--decode", multiple=True, metavar="URL", help="A decode server (repeat).")
+@click.option("--engine", type=click.Choice(["vllm", "sglang"]), default=None)
+@click.option("--flow", type=click.Choice(["concurrent", "sequential"]), default=None)
+@click.option(
+    "--side-channel-port",
+    multiple=True,
+    type=int,
+    help="vLLM concurrent flow: each prefill server's connector side-channel port, in order.",
+)
+@click.option(
+    "--bootstrap-port",
+    multiple=True,
+    type=int,
+    help="SGLang: each prefill server's bootstrap port.",
+)
+@click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port to listen on (default 8000).")
+@click.option(
+    "--api-key", default=None, envvar="SPLITSERVE_PROXY_API_KEY", help="Required client key."
+)
+def proxy(
+    config_file: str | None,
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    engine: str | None,
+    flow: str | None,
+    side_channel_port: tuple[int, ...],
+    bootstrap_port: tuple[int, ...],
+    host: str | None,
+    port: int | None,
+    api_key: str | None,
+) -> None:
+    """One OpenAI-compatible endpoint over pools of prefill and decode servers."""
+    overrides = {"engine": engine, "flow": flow, "host": host, "port": port, "api_key": api_key}
+    try:
+        config = config_from_options(
+            config_file, prefill, decode, side_channel_port, bootstrap_port, overrides
+        )
+    except ConfigError as e:
+        raise click.UsageError(f"invalid proxy settings:\n{e}") from None
+
+    from splitserve.proxy.server import serve
+
+    def started(bound_port: int) -> None:
+        click.echo(
+            f"splitserve proxy ({config.engine}, {config.flow} flow) on "
+            f"http://{config.host}:{bound_port}: {len(config.prefill)} prefill, "
+            f"{len(config.decode)} decode servers"
+        )
+
+    try:
+        import uvloop  # optional: a faster event loop when installed
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve(config, started))
+    except KeyboardInterrupt:
+        logger.info("proxy stopped")
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None

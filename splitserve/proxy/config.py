@@ -1,0 +1,200 @@
+"""Settings of the proxy (``ProxyConfig``), validated at the edge: the CLI, a YAML file, or the
+deployment launcher that embeds this model.
+
+Pure pydantic; runs in whichever process loads the settings. Invariants: unknown keys are errors
+(naming the key), every URL is an absolute ``http(s)://host:port`` base without a path, both pools
+are non-empty, the vLLM concurrent flow knows every prefill server's connector side channel, and
+the SGLang engine knows every prefill server's bootstrap port.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import model_validator as _model_validator
+
+Engine = Literal["vllm", "sglang"]
+Flow = Literal["concurrent", "sequential"]
+Policy = Literal["round_robin", "least_outstanding", "power_of_two"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _base_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s)://host:port URL")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{url!r} must be a server base URL without a path (no /v1)")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as e:
+        raise ValueError(f"{url!r} has an invalid port") from e
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class _Endpoint(_Strict):
+    url: str = Field(description="Base URL of the engine's OpenAI server, e.g. http://h:8000.")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        return _base_url(v)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+
+class PrefillEndpoint(_Endpoint):
+    """A prefill server."""
+
+    side_channel_port: int | None = Field(
+        None, ge=1, le=65535, description="vLLM concurrent flow: P's connector side channel port."
+    )
+    side_channel_host: str | None = Field(
+        None, description="Host of the side channel; defaults to the URL's host."
+    )
+    bootstrap_port: int | None = Field(
+        None, ge=1, le=65535, description="SGLang: P's disaggregation bootstrap port."
+    )
+
+    @property
+    def side_host(self) -> str:
+        return self.side_channel_host or self.host
+
+
+class DecodeEndpoint(_Endpoint):
+    """A decode server."""
+
+
+class RoutingSettings(_Strict):
+    prefill: Policy = "least_outstanding"
+    decode: Policy = "least_outstanding"
+    prefix_affinity: bool = Field(
+        False, description="Prefill pool: pick P by a consistent hash of the prompt's head."
+    )
+    prefix_chars: int = Field(256, ge=1, description="How much of the prompt the hash covers.")
+
+
+class TimeoutSettings(_Strict):
+    connect_s: float = Field(5.0, gt=0, description="TCP connect to an upstream server.")
+    first_byte_s: float = Field(
+        300.0, gt=0, description="Request sent to an upstream until its first body byte."
+    )
+    stream_idle_s: float = Field(120.0, gt=0, description="Longest gap between two chunks.")
+    total_s: float = Field(1800.0, gt=0, description="Whole request, all attempts.")
+
+
+class RetrySettings(_Strict):
+    max_attempts: int = Field(
+        3, ge=1, description="Pairs tried per request (only before any byte reached the client)."
+    )
+
+
+class HealthSettings(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    path: str = "/health"
+    failures_to_eject: int = Field(2, ge=1)
+    successes_to_readmit: int = Field(1, ge=1)
+    eject_on_connect_error: bool = Field(
+        True, description="Eject a server at once when a request cannot connect to it."
+    )
+
+
+class ProxyConfig(_Strict):
+    """Everything ``splitserve proxy`` needs."""
+
+    engine: Engine = "vllm"
+    flow: Flow = Field(
+        None,  # type: ignore[assignment]  # filled in by _default_flow
+        description="Default: sequential for vLLM (works with stock connectors), concurrent "
+        "for SGLang (its only flow).",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    prefill: list[PrefillEndpoint] = Field(min_length=1)
+    decode: list[DecodeEndpoint] = Field(min_length=1)
+    routing: RoutingSettings = RoutingSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    retries: RetrySettings = RetrySettings()
+    health: HealthSettings = HealthSettings()
+    api_key: SecretStr | None = Field(None, description="Clients must send 'Bearer <api_key>'.")
+    upstream_api_key: SecretStr | None = Field(None, description="Sent to the engine servers.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+    @_model_validator(mode="before")
+    @classmethod
+    def _default_flow(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("flow") is None:
+            data = {
+                **data,
+                "flow": "concurrent" if data.get("engine") == "sglang" else "sequential",
+            }
+        return data
+
+    @_model_validator(mode="after")
+    def _check_flow(self) -> ProxyConfig:
+        if self.engine == "vllm" and self.flow == "concurrent":
+            for i, p in enumerate(self.prefill):
+                if p.side_channel_port is None:
+                    raise ValueError(
+                        f"prefill.{i}.side_channel_port: required by the vLLM concurrent flow "
+                        f"({p.url})"
+                    )
+        if self.engine == "sglang":
+            if self.flow != "concurrent":
+                raise ValueError("flow: SGLang only has the concurrent flow")
+            for i, p in enumerate(self.prefill):
+                if p.bootstrap_port is None:
+                    raise ValueError(f"prefill.{i}.bootstrap_port: required by SGLang ({p.url})")
+        for pool in ("prefill", "decode"):
+            urls = [e.url for e in getattr(self, pool)]
+            dup = sorted({u for u in urls if urls.count(u) > 1})
+            if dup:
+                raise ValueError(f"{pool}: duplicate server URL(s) {', '.join(dup)}")
+        return self
+
+
+class ConfigError(ValueError):
+    """Settings that cannot start a proxy; the message names the field."""
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    """One line per problem: ``field.path: message``."""
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any]) -> ProxyConfig:
+    """Validate a settings mapping; raise ``ConfigError`` naming each bad field."""
+    try:
+        return ProxyConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e)) from None
+
+
+def load_config(path: str | Path) -> ProxyConfig:
+    """Read and validate a YAML file. A top-level ``proxy:`` key is accepted (a deployment)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if isinstance(data, dict) and set(data) == {"proxy"}:
+        data = data["proxy"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings")
+    return build_config(data)

@@ -1,0 +1,421 @@
+"""One client request through a prefill/decode pair: dispatch, relay, retry.
+
+Runs in the proxy process, on its event loop. The request bodies come from ``dispatch`` (the one
+copy of each engine's protocol); this module only moves them and D's answer.
+
+Flows:
+- ``sequential`` (vLLM): P first (one token, not streamed), then D with P's
+  ``kv_transfer_params``.
+- ``concurrent`` (vLLM with SplitserveConnector, and SGLang): P and D at the same time; P's
+  answer is awaited beside D's first byte so that a failing P is noticed while D waits for KV.
+
+Invariants:
+- Nothing is sent to the client before D's first body byte (or D's full answer when not
+  streaming). Until then a failure of P (any kind) or a failed connect to D is retried on another
+  pair with a new transfer id, at most ``retries.max_attempts`` pairs; after it, never.
+- D's stream is relayed chunk by chunk as it arrives, unparsed, so usage counts are D's.
+- Every upstream response is closed on every exit path; a client that goes away (the handler is
+  cancelled, or a write fails) closes both upstream connections, so the engines abort the request
+  and free its KV.
+- Every failure reaches the client as a ``ProxyError`` (OpenAI error body, 4xx/5xx status)
+  before streaming, or as an SSE ``error`` event after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from splitserve.proxy import dispatch
+from splitserve.proxy.config import ProxyConfig
+from splitserve.proxy.errors import (
+    ProxyError,
+    UpstreamError,
+    UpstreamStatus,
+    UpstreamTimeout,
+)
+from splitserve.proxy.health import HealthTracker
+from splitserve.proxy.metrics import ProxyMetrics
+from splitserve.proxy.routing import Backend, Pool, prompt_head
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# What a client write raises when the client has gone away.
+_CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
+
+
+class _Retry(Exception):
+    """An attempt failed before any byte reached the client and may go to another pair."""
+
+    def __init__(self, error: ProxyError, failed: Backend, reason: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.failed = failed
+        self.reason = reason
+
+
+@dataclass
+class Outcome:
+    """What the handler reports in the request metrics."""
+
+    status: int
+    error_kind: str | None = None
+
+
+class Forwarder:
+    """Pairs, dispatches and relays; owns no sockets of its own (the session does)."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        session: aiohttp.ClientSession,
+        prefill: Pool,
+        decode: Pool,
+        tracker: HealthTracker,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.config = config
+        self.session = session
+        self.prefill = prefill
+        self.decode = decode
+        self.tracker = tracker
+        self.metrics = metrics
+        t = config.timeouts
+        self._connect_s = t.connect_s
+        self._first_byte_s = t.first_byte_s
+        self._idle_s = t.stream_idle_s
+        self._headers = {"Content-Type": "application/json"}
+        if config.upstream_api_key is not None:
+            key = config.upstream_api_key.get_secret_value()
+            self._headers["Authorization"] = f"Bearer {key}"
+        self._mode = "sglang" if config.engine == "sglang" else f"vllm-{config.flow}"
+
+    # ------------------------------------------------------------------ entry point
+
+    async def handle(
+        self, request: web.Request, route: str, path: str, body: dict[str, Any], outcome: Outcome
+    ) -> web.StreamResponse:
+        """Serve one request; raises ``ProxyError`` for anything answered before streaming."""
+        loop = asyncio.get_running_loop()
+        t_start = loop.time()
+        deadline = t_start + self.config.timeouts.total_s
+        stream = bool(body.get("stream"))
+        routing = self.config.routing
+        key = prompt_head(body, routing.prefix_chars) if routing.prefix_affinity else None
+        failed: list[Backend] = []
+        last: ProxyError | None = None
+        for attempt in range(self.config.retries.max_attempts):
+            try:
+                p = self.prefill.pick(key, exclude=failed)
+                d = self.decode.pick(None, exclude=failed)
+            except ProxyError:
+                if last is not None:
+                    raise last from None
+                raise
+            try:
+                return await self._attempt(
+                    request, route, path, body, p, d, stream, deadline, outcome, t_start
+                )
+            except _Retry as r:
+                last = r.error
+                failed.append(r.failed)
+                if attempt + 1 < self.config.retries.max_attempts:
+                    self.metrics.retries.labels(r.reason).inc()
+                    logger.warning(
+                        "retrying on another pair after %s: %s", r.reason, r.error.message
+                    )
+        assert last is not None
+        raise last
+
+    # ------------------------------------------------------------------ one attempt
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        route: str,
+        path: str,
+        body: dict[str, Any],
+        p: Backend,
+        d: Backend,
+        stream: bool,
+        deadline: float,
+        outcome: Outcome,
+        t_start: float,
+    ) -> web.StreamResponse:
+        if self._mode == "vllm-sequential":
+            tid = dispatch.new_transfer_id()
+            p_body = dispatch.vllm_sequential_prefill_request(body)
+            try:
+                answer = await self._prefill(p, path, p_body, deadline)
+            except ProxyError as e:
+                raise self._prefill_retry(e, p) from None
+            try:
+                d_body = dispatch.vllm_sequential_decode_request(body, answer)
+            except dispatch.DispatchError as e:
+                raise UpstreamError(str(e), pool="prefill", server=p.url) from None
+            logger.debug("transfer %s: P %s done, D %s", tid, p.url, d.url)
+            p_done = asyncio.get_running_loop().time()
+            return await self._decode(
+                request, route, path, d_body, d, stream, deadline, outcome, t_start, None, p_done
+            )
+
+        if self._mode == "vllm-concurrent":
+            side = p.settings
+            p_body, d_body = dispatch.vllm_concurrent_requests(
+                body, dispatch.new_transfer_id(), side.side_host, side.side_channel_port
+            )
+        else:
+            ep = p.settings
+            p_body, d_body = dispatch.sglang_requests(
+                body, ep.host, ep.bootstrap_port, dispatch.new_bootstrap_room()
+            )
+        p_task = asyncio.ensure_future(self._prefill(p, path, p_body, deadline))
+        try:
+            return await self._decode(
+                request,
+                route,
+                path,
+                d_body,
+                d,
+                stream,
+                deadline,
+                outcome,
+                t_start,
+                (p, p_task),
+                None,
+            )
+        finally:
+            if not p_task.done():
+                p_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await p_task
+
+    def _prefill_retry(self, e: ProxyError, p: Backend) -> Exception:
+        """P failed before anything reached the client: retry unless it refused the request."""
+        if isinstance(e, UpstreamStatus) and e.status < 500:
+            return e
+        if isinstance(e, UpstreamError | UpstreamStatus):
+            return _Retry(e, p, f"prefill_{e.kind}")
+        return e
+
+    # ------------------------------------------------------------------ upstream calls
+
+    def _timeout(self, deadline: float, idle: bool) -> aiohttp.ClientTimeout:
+        remaining = max(0.001, deadline - asyncio.get_running_loop().time())
+        return aiohttp.ClientTimeout(
+            total=remaining, sock_connect=self._connect_s, sock_read=self._idle_s if idle else None
+        )
+
+    def _map_error(self, e: BaseException, b: Backend, what: str) -> UpstreamError:
+        where = f"{b.pool} server {b.url}"
+        if isinstance(e, aiohttp.ConnectionTimeoutError):
+            self.tracker.connect_failed(b, f"connect timeout: {e}")
+            return UpstreamTimeout(
+                f"{where}: connect timed out", pool=b.pool, server=b.url, connect_failed=True
+            )
+        if isinstance(e, TimeoutError):
+            return UpstreamTimeout(
+                f"{where}: timed out waiting for {what}", pool=b.pool, server=b.url
+            )
+        if isinstance(e, aiohttp.ClientConnectorError):
+            self.tracker.connect_failed(b, f"cannot connect: {e}")
+            return UpstreamError(
+                f"{where}: cannot connect ({e.os_error})",
+                pool=b.pool,
+                server=b.url,
+                connect_failed=True,
+            )
+        return UpstreamError(f"{where}: {type(e).__name__} {e}".rstrip(), pool=b.pool, server=b.url)
+
+    async def _bounded(self, aw: Awaitable[Any], seconds: float, deadline: float) -> Any:
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(aw, max(0.001, min(seconds, deadline - loop.time())))
+
+    async def _prefill(
+        self, p: Backend, path: str, payload: dict[str, Any], deadline: float
+    ) -> dict[str, Any]:
+        """P's whole (one-token) answer as JSON; raises a ``ProxyError``."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        p.outstanding += 1
+        gauge = self.metrics.in_flight.labels(*p.labels)
+        gauge.inc()
+        try:
+            try:
+                status, raw = await self._bounded(
+                    self._post_read(p, path, payload, deadline), self._first_byte_s, deadline
+                )
+            except ProxyError:
+                raise
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                raise self._map_error(e, p, "the prefill answer") from None
+            if status != 200:
+                raise UpstreamStatus(status, raw, pool=p.pool, server=p.url)
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                raise UpstreamError(
+                    f"prefill server {p.url} answered invalid JSON", pool=p.pool, server=p.url
+                ) from None
+            if not isinstance(answer, dict):
+                raise UpstreamError(
+                    f"prefill server {p.url} answered {type(answer).__name__}",
+                    pool=p.pool,
+                    server=p.url,
+                )
+            elapsed = loop.time() - t0
+            self.metrics.prefill.observe(elapsed)
+            self.metrics.upstream.labels(*p.labels).observe(elapsed)
+            return answer
+        finally:
+            p.outstanding -= 1
+            gauge.dec()
+
+    async def _post_read(
+        self, b: Backend, path: str, payload: dict[str, Any], deadline: float
+    ) -> tuple[int, bytes]:
+        async with self.session.post(
+            b.url + path,
+            data=json.dumps(payload).encode(),
+            headers=self._headers,
+            timeout=self._timeout(deadline, idle=False),
+        ) as resp:
+            return resp.status, await resp.read()
+
+    async def _open_decode(
+        self, d: Backend, path: str, payload: dict[str, Any], stream: bool, deadline: float
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        """D's response with its first chunk (streaming) or its whole body (not)."""
+        resp = await self.session.post(
+            d.url + path,
+            data=json.dumps(payload).encode(),
+            headers=self._headers,
+            timeout=self._timeout(deadline, idle=stream),
+        )
+        try:
+            if resp.status != 200 or not stream:
+                return resp, await resp.read()
+            return resp, await resp.content.readany()
+        except BaseException:
+            resp.close()
+            raise
+
+    # ------------------------------------------------------------------ decode and relay
+
+    async def _decode(
+        self,
+        request: web.Request,
+        route: str,
+        path: str,
+        d_body: dict[str, Any],
+        d: Backend,
+        stream: bool,
+        deadline: float,
+        outcome: Outcome,
+        t_start: float,
+        prefill: tuple[Backend, asyncio.Future[dict[str, Any]]] | None,
+        p_done: float | None,
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        d.outstanding += 1
+        gauge = self.metrics.in_flight.labels(*d.labels)
+        gauge.inc()
+        resp: aiohttp.ClientResponse | None = None
+        open_task = asyncio.ensure_future(self._open_decode(d, path, d_body, stream, deadline))
+        try:
+            # Phase 1: until D's first byte, nothing is committed and P is watched.
+            wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
+            until = min(deadline, t0 + wait_s)
+            if prefill is not None:
+                p, p_task = prefill
+                done, _ = await asyncio.wait(
+                    {open_task, p_task},
+                    timeout=max(0.001, until - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if p_task in done and open_task not in done:
+                    exc = p_task.exception()
+                    if exc is not None:
+                        if isinstance(exc, ProxyError):
+                            raise self._prefill_retry(exc, p)
+                        raise exc
+                    p_done = loop.time()
+            try:
+                resp, first = await asyncio.wait_for(open_task, max(0.001, until - loop.time()))
+            except ProxyError:
+                raise
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                err = self._map_error(e, d, "the decode server's first byte")
+                if err.connect_failed:
+                    raise _Retry(err, d, "decode_connect") from None
+                raise err from None
+            if resp.status != 200:
+                raise UpstreamStatus(resp.status, first, pool=d.pool, server=d.url)
+            t_first = loop.time()
+            if p_done is None and prefill is not None and prefill[1].done():
+                p_done = t_first
+            if p_done is not None:
+                self.metrics.handoff.observe(max(0.0, t_first - p_done))
+
+            # Phase 2: committed. Relay D's answer.
+            if not stream:
+                resp.release()  # read to the end: the connection goes back to the pool
+                resp = None
+                self.metrics.upstream.labels(*d.labels).observe(t_first - t0)
+                self.metrics.ttft.labels(route).observe(t_first - t_start)
+                outcome.status = 200
+                return web.Response(body=first, status=200, content_type="application/json")
+            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            try:
+                await out.prepare(request)
+                await out.write(first)
+                self.metrics.ttft.labels(route).observe(loop.time() - t_start)
+                outcome.status = 200
+                if await self._relay(resp, out, d, outcome):
+                    resp.release()
+                    resp = None
+                self.metrics.upstream.labels(*d.labels).observe(loop.time() - t0)
+                await out.write_eof()
+            except _CLIENT_GONE:
+                outcome.status, outcome.error_kind = 499, "client_disconnected"
+                logger.info("client went away mid-stream; closing %s", d.url)
+            return out
+        finally:
+            if not open_task.done():
+                open_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await open_task
+            if resp is not None:
+                resp.close()
+            d.outstanding -= 1
+            gauge.dec()
+
+    async def _relay(
+        self, resp: aiohttp.ClientResponse, out: web.StreamResponse, d: Backend, outcome: Outcome
+    ) -> bool:
+        """Copy D's stream to the client; True when it ended cleanly. An upstream failure ends
+        the client's stream with an SSE ``error`` event (the status line is already sent)."""
+        content = resp.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                err = self._map_error(e, d, "the next chunk")
+                outcome.error_kind = f"midstream_{err.kind}"
+                logger.warning("decode stream broke: %s", err.message)
+                event = {"error": err.body()["error"]}
+                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                return False
+            if not chunk:
+                return True
+            await out.write(chunk)

@@ -1,0 +1,77 @@
+"""Prometheus metrics of the proxy, in a registry of its own (so several proxies can live in one
+process, e.g. in tests) and served at ``/metrics``.
+
+Runs in the proxy process. Names start with ``splitserve_proxy_``; ``pool`` is ``prefill`` or
+``decode`` and ``server`` the server's base URL.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Seconds; from sub-millisecond (a stub backend) to minutes (a long prefill on a CPU).
+_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+)  # fmt: skip
+
+
+class ProxyMetrics:
+    """Every metric the proxy exports."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "splitserve_proxy_requests", "Client requests by route and final status",
+            ["route", "status"], registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "splitserve_proxy_errors", "Failed client requests by kind", ["kind"], registry=r
+        )
+        self.retries = Counter(
+            "splitserve_proxy_retries", "Attempts retried on another pair, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.ejections = Counter(
+            "splitserve_proxy_ejections", "Servers taken out of rotation", ["pool", "server"],
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "splitserve_proxy_in_flight", "Requests in flight per upstream server",
+            ["pool", "server"], registry=r,
+        )  # fmt: skip
+        self.healthy = Gauge(
+            "splitserve_proxy_server_healthy", "1 when the server is in rotation",
+            ["pool", "server"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "splitserve_proxy_ttft_seconds", "Client request to first byte sent back",
+            ["route"], buckets=_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "splitserve_proxy_request_seconds", "Client request to last byte sent back",
+            ["route"], buckets=_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream = Histogram(
+            "splitserve_proxy_upstream_seconds", "One upstream request, sent to answered in full",
+            ["pool", "server"], buckets=_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill = Histogram(
+            "splitserve_proxy_prefill_seconds", "Prefill request sent to P's answer",
+            buckets=_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.handoff = Histogram(
+            "splitserve_proxy_handoff_seconds", "P's answer to D's first byte",
+            buckets=_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
