@@ -15,12 +15,10 @@ import click
 # name -> "module:attribute" of a click command; loaded on first use.
 _SUBCOMMANDS: dict[str, str] = {
     "model": "splitserve.model_cli:model",
+    "up": "splitserve.launch.cli:up",
+    "plan": "splitserve.planner.cli:plan",
+    "proxy": "splitserve.proxy.cli:proxy",
 }
-
-
-def register_subcommand(name: str, target: str) -> None:
-    """Add a lazily imported subcommand (used by the parts of the package)."""
-    _SUBCOMMANDS[name] = target
 
 
 class _LazyGroup(click.Group):
