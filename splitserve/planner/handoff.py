@@ -36,6 +36,7 @@ class Handoff:
 
     link: str
     link_bytes_per_s: float
+    links_in_parallel: int
     request_bytes: float
     layer_slice_bytes: float
     bulk_s: float
@@ -70,7 +71,8 @@ def handoff(
     bulk = transfer_seconds(share * num_layers, link)
     return Handoff(
         link=link.name,
-        link_bytes_per_s=link.bytes_per_s * links_in_parallel,
+        link_bytes_per_s=link.bytes_per_s,
+        links_in_parallel=links_in_parallel,
         request_bytes=layer_slice_bytes * num_layers,
         layer_slice_bytes=layer_slice_bytes,
         bulk_s=bulk,

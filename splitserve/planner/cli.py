@@ -1,0 +1,232 @@
+"""``splitserve plan``: the arithmetic of disaggregation for a model, GPU, link and workload.
+
+Runs in the CLI process. The only module of the planner that prints (``click.echo``); every
+bad input ends in one line, ``Error: <what was wrong, naming the input>``, exit status 1, never
+a stack trace. ``--calibrate`` imports torch and NIXL (``splitserve.planner.calibrate``) only
+when asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from splitserve.planner.catalog import (
+    ACCELERATORS,
+    LINKS,
+    MODELS,
+    PlannerInputError,
+    custom_link,
+    explain_validation,
+    get_accelerator,
+    get_link,
+    get_model,
+)
+from splitserve.planner.kv import KV_DTYPE_BYTES
+from splitserve.planner.plan import make_plan
+from splitserve.planner.pools import Slo, Workload
+from splitserve.planner.report import render_json, render_text
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+_POSITIVE = click.FloatRange(min=0, min_open=True)
+
+
+class _OneLineErrors(click.Command):
+    """Report bad options as one ``Error:`` line (click's usage errors print three)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if ctx.resilient_parsing:
+                raise
+            raise click.ClickException(e.format_message()) from None
+
+
+@click.command(cls=_OneLineErrors)
+@click.option(
+    "--model",
+    "model_name",
+    required=True,
+    metavar="NAME|CONFIG",
+    help=f"Catalog model ({', '.join(MODELS)}) or a Hugging Face config.json path.",
+)
+@click.option(
+    "--kv-dtype",
+    default="bf16",
+    show_default=True,
+    type=click.Choice(sorted(KV_DTYPE_BYTES), case_sensitive=False),
+)
+@click.option(
+    "--weight-dtype",
+    default="bf16",
+    show_default=True,
+    type=click.Choice(sorted(WEIGHT_DTYPE_BYTES), case_sensitive=False),
+)
+@click.option(
+    "--gpu",
+    default="H100",
+    show_default=True,
+    metavar="NAME",
+    help=f"Accelerator: {', '.join(ACCELERATORS)}.",
+)
+@click.option(
+    "--gpus-per-replica",
+    type=click.IntRange(min=1),
+    help="GPUs per replica (tensor parallel); default: fewest that hold the weights.",
+)
+@click.option(
+    "--efficiency",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Share of peak FLOP/s and memory bandwidth achieved.",
+)
+@click.option(
+    "--link",
+    "link_name",
+    default="NVLink4",
+    show_default=True,
+    metavar="NAME",
+    help=f"KV link: {', '.join(LINKS)}.",
+)
+@click.option("--link-gbps", type=_POSITIVE, help="A custom link of this many GB/s (1e9 B/s).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--output-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--rate", type=_POSITIVE, help="Requests per second (enables replica counts).")
+@click.option("--ttft-ms", type=_POSITIVE, help="Time-to-first-token target [default 2000].")
+@click.option("--itl-ms", type=_POSITIVE, help="Inter-token latency target [default 50].")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option(
+    "--calibrate",
+    is_flag=True,
+    help="Measure this machine (torch layer timing, NIXL bandwidth) and plan with it.",
+)
+@click.option(
+    "--calibrate-device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--calibrate-tokens",
+    default="128,512",
+    show_default=True,
+    help="Comma-separated prompt lengths to time one layer at.",
+)
+@click.option(
+    "--calibrate-budget-s",
+    type=_POSITIVE,
+    default=20.0,
+    show_default=True,
+    help="Rough bound on the layer timing's duration.",
+)
+@click.option(
+    "--nixl-sizes-mib",
+    default="1,8,32",
+    show_default=True,
+    help="Comma-separated transfer sizes for the NIXL bandwidth probe.",
+)
+@click.option(
+    "--handoff-results",
+    type=click.Path(dir_okay=False),
+    help="JSON from benchmarks/handoff.py to check the calibrated handoff against.",
+)
+def plan(
+    model_name: str,
+    kv_dtype: str,
+    weight_dtype: str,
+    gpu: str,
+    gpus_per_replica: int | None,
+    efficiency: float,
+    link_name: str,
+    link_gbps: float | None,
+    prompt_tokens: int,
+    output_tokens: int,
+    rate: float | None,
+    ttft_ms: float | None,
+    itl_ms: float | None,
+    as_json: bool,
+    calibrate: bool,
+    calibrate_device: str,
+    calibrate_tokens: str,
+    calibrate_budget_s: float,
+    nixl_sizes_mib: str,
+    handoff_results: str | None,
+) -> None:
+    """KV size, handoff per link, prefill intensity, chunk and pool advice, and a verdict."""
+    try:
+        model = get_model(model_name)
+        link = custom_link(link_gbps) if link_gbps is not None else get_link(link_name)
+        acc = get_accelerator(gpu)
+        workload = Workload(
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens, request_rate=rate
+        )
+        slo_fields: dict[str, float] = {}
+        if ttft_ms is not None:
+            slo_fields["ttft_s"] = ttft_ms / 1e3
+        if itl_ms is not None:
+            slo_fields["itl_s"] = itl_ms / 1e3
+        slo = Slo(**slo_fields)
+        calibration: dict[str, Any] | None = None
+        weight_bytes = WEIGHT_DTYPE_BYTES[weight_dtype.lower()]
+        if calibrate:
+            from splitserve.planner.calibrate import calibrate_machine
+
+            result = calibrate_machine(
+                model,
+                kv_dtype=kv_dtype,
+                device=calibrate_device,
+                tokens=_int_list("--calibrate-tokens", calibrate_tokens),
+                budget_s=calibrate_budget_s,
+                nixl_sizes=[n << 20 for n in _int_list("--nixl-sizes-mib", nixl_sizes_mib)],
+                handoff_results=Path(handoff_results) if handoff_results else None,
+            )
+            acc, link, calibration = result.accelerator, result.link, result.to_dict()
+            gpus_per_replica, efficiency = 1, 1.0
+            weight_bytes = result.weight_bytes
+        elif handoff_results:
+            raise PlannerInputError(
+                "--handoff-results needs --calibrate (it checks measured "
+                "figures against the benchmark)"
+            )
+        result_plan = make_plan(
+            model,
+            acc,
+            link,
+            kv_dtype=kv_dtype,
+            workload=workload,
+            slo=slo,
+            gpus_per_replica=gpus_per_replica,
+            efficiency=efficiency,
+            weight_bytes=weight_bytes,
+            slo_given=bool(slo_fields),
+        )
+    except PlannerInputError as e:
+        raise click.ClickException(str(e)) from None
+    except ValidationError as e:
+        raise click.ClickException(explain_validation(e)) from None
+    if calibration is not None:
+        result_plan.calibration = calibration
+        result_plan.assumptions.insert(
+            0, "calibrated: hardware and link figures measured on this machine (see Calibration)"
+        )
+    click.echo(render_json(result_plan) if as_json else render_text(result_plan))
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PlannerInputError(
+            f"{option}: expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise PlannerInputError(f"{option}: expected positive integers, got {text!r}")
+    return values

@@ -1,0 +1,288 @@
+"""Render a ``Plan`` as text tables (the CLI prints them) or JSON.
+
+Pure formatting: returns strings, prints nothing; runs in the CLI process. Units: bytes in SI
+(kB/MB/GB = 1e3/1e6/1e9) with the exact byte count beside them, times in us/ms/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from splitserve.planner.plan import Plan
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    if bytes_per_s >= 1e12:
+        return f"{bytes_per_s / 1e12:.3g} TB/s"
+    return f"{bytes_per_s / 1e9:.3g} GB/s"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _section(title: str, body: str) -> str:
+    return f"{title}\n{body}\n"
+
+
+def render_text(plan: Plan) -> str:
+    m, hw, kv, wl, slo = plan.model, plan.hardware, plan.kv, plan.workload, plan.slo
+    out: list[str] = []
+    kv_shape = "MLA latent" if m["mla"] else f"{m['num_kv_heads']} KV heads x {m['head_dim']}"
+    out.append(
+        _section(
+            f"Model {m['name']}",
+            table(
+                ["layers", "KV per layer", "params", "active/token", "weights"],
+                [
+                    [
+                        m["num_layers"],
+                        kv_shape,
+                        f"{m['params_total'] / 1e9:.3g} B",
+                        f"{m['params_active_per_token'] / 1e9:.3g} B",
+                        fmt_bytes(m["weight_bytes"]),
+                    ]
+                ],
+            ),
+        )
+    )
+    out.append(
+        _section(
+            "Replica",
+            table(
+                ["GPUs", "peak FLOP/s", "memory BW", "memory", "ridge (FLOP/B)", "link"],
+                [
+                    [
+                        f"{hw['gpus_per_replica']} x {hw['accelerator']}",
+                        f"{hw['flops'] / 1e12:.4g} T",
+                        fmt_rate(hw["mem_bytes_per_s"]),
+                        fmt_bytes(hw["mem_bytes"]),
+                        f"{hw['ridge_flop_per_byte']:.0f}",
+                        f"{hw['link']} ({fmt_rate(hw['link_bytes_per_s'])}"
+                        + (
+                            f", +{fmt_seconds(hw['link_per_transfer_s'])}/transfer)"
+                            if hw["link_per_transfer_s"]
+                            else ")"
+                        ),
+                    ]
+                ],
+            ),
+        )
+    )
+    out.append(
+        _section(
+            f"KV cache ({kv.kv_dtype}, request of {kv.tokens} prompt tokens)",
+            table(
+                ["per token", "per token per layer", "per layer slice", "per request"],
+                [
+                    [
+                        f"{fmt_bytes(kv.bytes_per_token)} ({kv.bytes_per_token} B)",
+                        f"{kv.bytes_per_token_per_layer} B",
+                        f"{fmt_bytes(kv.layer_slice_bytes)} ({kv.layer_slice_bytes} B)",
+                        f"{fmt_bytes(kv.request_bytes)} ({kv.request_bytes} B)",
+                    ]
+                ],
+            ),
+        )
+    )
+    rows = []
+    for h in plan.handoff_by_link:
+        links = f"{h.links_in_parallel} x " if h.links_in_parallel > 1 else ""
+        rows.append(
+            [
+                h.link + (" *" if h is plan.handoff else ""),
+                links + fmt_rate(h.link_bytes_per_s),
+                fmt_seconds(h.bulk_s),
+                fmt_seconds(h.layer_transfer_s),
+                fmt_seconds(h.layer_compute_s),
+                f"{h.transfer_to_compute:.2g}",
+                fmt_seconds(h.exposed_bulk_s),
+                fmt_seconds(h.exposed_streaming_s),
+                "yes" if h.streaming_hides else "no",
+            ]
+        )
+    out.append(
+        _section(
+            f"Handoff of one {kv.tokens}-token request (* = chosen link)",
+            table(
+                [
+                    "link",
+                    "bandwidth",
+                    "bulk",
+                    "layer xfer",
+                    "layer prefill",
+                    "xfer/prefill",
+                    "exposed bulk",
+                    "exposed streamed",
+                    "hidden",
+                ],
+                rows,
+            ),
+        )
+    )
+    it = plan.intensity
+    out.append(
+        _section(
+            "Prefill arithmetic intensity (GEMMs; bytes = weights + input activations)",
+            table(
+                ["what", "FLOP/byte", "ridge", "smallest budget above ridge"],
+                [
+                    [
+                        f"mean layer, {it.prompt_tokens} tokens",
+                        f"{it.layer_flop_per_byte:.0f}",
+                        f"{it.ridge_flop_per_byte:.0f}",
+                        _tokens(it.min_budget_tokens),
+                    ],
+                    [
+                        f"one GEMM d'={it.gemm_d_out}, {it.prompt_tokens} tokens",
+                        f"{it.gemm_flop_per_byte:.0f}",
+                        f"{it.ridge_flop_per_byte:.0f}",
+                        _tokens(it.gemm_min_tokens),
+                    ],
+                ],
+            ),
+        )
+    )
+    out.append(
+        _section(
+            f"Largest prefill chunk that keeps a decode step under ITL {fmt_seconds(slo['itl_s'])}",
+            table(
+                ["decodes", "context", "decode step alone", "largest chunk"],
+                [
+                    [
+                        c.decode_seqs,
+                        c.decode_context,
+                        fmt_seconds(c.decode_step_s),
+                        "decodes alone exceed ITL" if c.largest_chunk is None else c.largest_chunk,
+                    ]
+                    for c in plan.chunks
+                ],
+            ),
+        )
+    )
+    if plan.pools is not None:
+        p = plan.pools
+        rate = wl["request_rate"]
+        title = (f"Pools for {rate:g} req/s" if rate else "Pools (no --rate: one request)") + (
+            f", {wl['prompt_tokens']} in / {wl['output_tokens']} out, "
+            f"TTFT {fmt_seconds(slo['ttft_s'])}, ITL {fmt_seconds(slo['itl_s'])}"
+        )
+        rows = [
+            [
+                "prefill (P)",
+                _count(p.prefill.replicas),
+                fmt_seconds(p.prefill.ttft_s),
+                f"{p.prefill.prompts_per_iteration} prompt(s) per "
+                f"{fmt_seconds(p.prefill.iteration_s)} iteration",
+                p.prefill.why,
+            ],
+            [
+                "decode (D)",
+                _count(p.decode.replicas),
+                "-",
+                f"batch {p.decode.batch} ({p.decode.batch_limit}), step "
+                f"{fmt_seconds(p.decode.step_s)}",
+                p.decode.why,
+            ],
+            [
+                "colocated",
+                _count(p.colocated.replicas),
+                fmt_seconds(p.colocated.ttft_s),
+                f"chunk {p.colocated.chunk_tokens}, {p.colocated.decode_seqs} decodes",
+                p.colocated.why,
+            ],
+        ]
+        out.append(
+            _section(title, table(["pool", "replicas", "TTFT", "operating point", "why"], rows))
+        )
+        reasons = "\n".join(f"  - {r}" for r in p.verdict.reasons)
+        out.append(f"Verdict: {p.verdict.choice.upper()}\n{reasons}\n")
+    if plan.calibration:
+        out.append(render_calibration(plan.calibration))
+    out.append("Assumptions\n" + "\n".join(f"  - {a}" for a in plan.assumptions) + "\n")
+    return "\n".join(out)
+
+
+def render_calibration(cal: dict[str, Any]) -> str:
+    lines = ["Calibration (measured on this machine)"]
+    for note in cal.get("notes", []):
+        lines.append(f"  - {note}")
+    layer = cal.get("layer")
+    if layer:
+        lines.append(
+            table(
+                ["tokens", "measured layer", "roofline with measured figures"],
+                [
+                    [r["tokens"], fmt_seconds(r["measured_s"]), fmt_seconds(r.get("predicted_s"))]
+                    for r in layer["points"]
+                ],
+            )
+        )
+    nixl = cal.get("nixl")
+    if nixl:
+        lines.append(
+            table(
+                ["bytes", "median transfer", "GB/s"],
+                [
+                    [
+                        fmt_bytes(r["bytes"]),
+                        fmt_seconds(r["median_s"]),
+                        f"{r['bytes'] / r['median_s'] / 1e9:.3g}",
+                    ]
+                    for r in nixl["points"]
+                ],
+            )
+        )
+    check = cal.get("handoff_check")
+    if check:
+        lines.append(
+            table(
+                ["prompt tokens", "benchmark transfer", "planner bulk", "ratio"],
+                [
+                    [
+                        r["prompt_tokens"],
+                        fmt_seconds(r["measured_s"]),
+                        fmt_seconds(r["predicted_s"]),
+                        f"{r['ratio']:.2f}",
+                    ]
+                    for r in check["rows"]
+                ],
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _tokens(n: int | None) -> str:
+    return "never (activations outweigh)" if n is None else f"{n} tokens"
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
+def render_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2, allow_nan=False)
