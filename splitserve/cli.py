@@ -16,6 +16,7 @@ import click
 _SUBCOMMANDS: dict[str, str] = {
     "model": "splitserve.model_cli:model",
     "up": "splitserve.launch.cli:up",
+    "demo": "splitserve.launch.cli:demo",
     "plan": "splitserve.planner.cli:plan",
     "proxy": "splitserve.proxy.cli:proxy",
 }

@@ -59,6 +59,17 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when ``host:port`` cannot be bound right now (someone listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     """True when GET ``url`` answers 200."""
     try:

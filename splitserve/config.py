@@ -1,0 +1,242 @@
+"""Deployment settings: one YAML file describes a whole disaggregated deployment.
+
+Validated at the edge (``load_deployment``) into pydantic models; every error names the file and
+the field. The launcher (``splitserve.launch.deployment``) turns a validated ``Deployment`` into
+engine command lines and a proxy config. Runs in the ``splitserve`` CLI process only; importing it
+imports no engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from splitserve.models import PRESETS, ModelSpec
+from splitserve.proxy.config import ProxyConfig, describe_validation_error
+
+
+class DeploymentError(ValueError):
+    """A deployment file that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSettings(_Strict):
+    """The served model: a local directory, or a test preset built on first use."""
+
+    path: str | None = Field(None, description="A local model directory (no hub here).")
+    preset: str | None = Field(None, description=f"A test model preset: {sorted(PRESETS)}.")
+    shape: dict[str, int] = Field(
+        default_factory=dict, description="Overrides of the preset's shape (ModelSpec fields)."
+    )
+    served_name: str = Field("model", description="The name clients send as 'model'.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSettings:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("give exactly one of 'path' or 'preset'")
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                raise ValueError(f"preset: unknown {self.preset!r}; choose from {sorted(PRESETS)}")
+            ModelSpec(**{**PRESETS[self.preset].model_dump(), **self.shape})
+        elif self.shape:
+            raise ValueError("shape: only applies to a preset")
+        return self
+
+
+class ConnectorSettings(_Strict):
+    """Which KV connector moves the cache, and its settings."""
+
+    name: Literal["splitserve", "nixl"] = Field(
+        "splitserve",
+        description="'splitserve': SplitserveConnector (layer-wise); 'nixl': vLLM's stock "
+        "NixlConnector (sequential flow only).",
+    )
+    settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="kv_connector_extra_config for SplitserveConnector (the launcher sets "
+        "side_channel_host/port per server).",
+    )
+
+
+class PoolSettings(_Strict):
+    """One pool of identical servers (prefill or decode)."""
+
+    count: int = Field(1, ge=1, le=64)
+    base_port: int = Field(..., ge=1024, le=65000, description="HTTP port of the first server.")
+    side_channel_base_port: int | None = Field(
+        None, ge=1024, le=65000, description="KV side channel port of the first server."
+    )
+    cpu_cores: list[int] | None = Field(
+        None, description="CPU machines: core (OpenMP bind) of each server, in order."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment.")
+    args: list[str] = Field(default_factory=list, description="Extra engine arguments.")
+    scheduler: dict[str, Any] | None = Field(
+        None, description="Adaptive chunk scheduler settings (BudgetPolicySettings); off if null."
+    )
+
+    @model_validator(mode="after")
+    def _cores(self) -> PoolSettings:
+        if self.cpu_cores is not None and len(self.cpu_cores) != self.count:
+            raise ValueError(
+                f"cpu_cores: {len(self.cpu_cores)} given for {self.count} server(s); give one each"
+            )
+        return self
+
+
+class Deployment(_Strict):
+    """A whole deployment: model, engine, prefill and decode pools, connector, proxy."""
+
+    name: str = Field("splitserve", pattern=r"^[A-Za-z0-9_.-]+$")
+    engine: Literal["vllm"] = Field(
+        "vllm", description="The engine. 'up' starts vLLM deployments; SGLang: see examples/."
+    )
+    device: Literal["cpu", "gpu"] = "cpu"
+    model: ModelSettings
+    prefill: PoolSettings
+    decode: PoolSettings
+    connector: ConnectorSettings = ConnectorSettings()
+    proxy: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Proxy settings (ProxyConfig fields other than engine/prefill/decode).",
+    )
+    run_dir: str = Field("runs/{name}", description="Logs and built models go here.")
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Deployment:
+        ports: list[int] = []
+        for pool_name in ("prefill", "decode"):
+            pool: PoolSettings = getattr(self, pool_name)
+            ports += range(pool.base_port, pool.base_port + pool.count)
+            if pool.side_channel_base_port is not None:
+                ports += range(
+                    pool.side_channel_base_port, pool.side_channel_base_port + pool.count
+                )
+        proxy_port = self.proxy.get("port", 8000)
+        ports.append(proxy_port)
+        dup = sorted({p for p in ports if ports.count(p) > 1})
+        if dup:
+            raise ValueError(
+                f"ports overlap: {dup} (check base_port, side_channel_base_port, proxy.port)"
+            )
+        if self.connector.name == "splitserve" and self.prefill.side_channel_base_port is None:
+            raise ValueError("prefill.side_channel_base_port: required by the splitserve connector")
+        for key in ("engine", "prefill", "decode"):
+            if key in self.proxy:
+                raise ValueError(f"proxy.{key}: set by the deployment, remove it here")
+        if self.connector.name == "nixl" and self.proxy.get("flow") == "concurrent":
+            raise ValueError("proxy.flow: the stock NixlConnector only has the sequential flow")
+        return self
+
+    @property
+    def flow(self) -> str:
+        default = "concurrent" if self.connector.name == "splitserve" else "sequential"
+        return self.proxy.get("flow", default)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir.format(name=self.name))
+
+
+def format_errors(source: str, e: ValidationError) -> str:
+    return "\n".join(f"{source}: {line}" for line in describe_validation_error(e).splitlines())
+
+
+def parse_deployment(data: Any, source: str = "<config>") -> Deployment:
+    """Validate a mapping; raise ``DeploymentError`` naming ``source`` and each bad field."""
+    if not isinstance(data, dict):
+        raise DeploymentError(f"{source}: expected a mapping of settings at the top level")
+    try:
+        dep = Deployment.model_validate(data)
+    except ValidationError as e:
+        raise DeploymentError(format_errors(source, e)) from None
+    _validate_components(dep, source)
+    return dep
+
+
+def load_deployment(path: str | Path) -> Deployment:
+    """Read a deployment YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise DeploymentError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise DeploymentError(f"{p}: not valid YAML: {e}") from None
+    return parse_deployment(data, str(p))
+
+
+def _validate_components(dep: Deployment, source: str) -> None:
+    """Check the nested settings with the owning component's own model, so errors surface at
+    start-up of ``up`` rather than in a server's log a minute later."""
+    try:
+        proxy_config_for(dep, prefill_side_ports=_placeholder_ports(dep))
+    except ValidationError as e:
+        raise DeploymentError(
+            "\n".join(
+                f"{source}: proxy.{line}" for line in describe_validation_error(e).splitlines()
+            )
+        ) from None
+    for pool_name in ("prefill", "decode"):
+        sched = getattr(dep, pool_name).scheduler
+        if sched is not None:
+            _validate_with(
+                "splitserve.schedulers.policy",
+                "BudgetPolicySettings",
+                sched,
+                f"{source}: {pool_name}.scheduler",
+            )
+    if dep.connector.name == "splitserve":
+        _validate_with(
+            "splitserve.connectors.vllm.config",
+            "SplitserveConnectorConfig",
+            {**dep.connector.settings, "side_channel_port": 1},
+            f"{source}: connector.settings",
+        )
+
+
+def _validate_with(module: str, cls_name: str, data: dict[str, Any], where: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise DeploymentError(f"{where}: this installation has no {module}")
+    cls = getattr(importlib.import_module(module), cls_name)
+    try:
+        cls.model_validate(data)
+    except ValidationError as e:
+        raise DeploymentError(
+            "\n".join(f"{where}.{line}" for line in describe_validation_error(e).splitlines())
+        ) from None
+
+
+def _placeholder_ports(dep: Deployment) -> list[int | None]:
+    base = dep.prefill.side_channel_base_port
+    return [None if base is None else base + i for i in range(dep.prefill.count)]
+
+
+def proxy_config_for(
+    dep: Deployment, prefill_side_ports: list[int | None], host: str = "127.0.0.1"
+) -> ProxyConfig:
+    """The proxy settings of a deployment: its ``proxy`` section plus the two pools."""
+    prefill = []
+    for i, side in enumerate(prefill_side_ports):
+        entry: dict[str, Any] = {"url": f"http://{host}:{dep.prefill.base_port + i}"}
+        if side is not None and dep.connector.name == "splitserve":
+            entry["side_channel_port"] = side
+        prefill.append(entry)
+    decode = [{"url": f"http://{host}:{dep.decode.base_port + i}"} for i in range(dep.decode.count)]
+    data = {
+        "flow": dep.flow,
+        **dep.proxy,
+        "engine": dep.engine,
+        "prefill": prefill,
+        "decode": decode,
+    }
+    return ProxyConfig.model_validate(data)

@@ -1,0 +1,282 @@
+"""Run a whole deployment from a validated ``Deployment``: model, servers, proxy, shutdown.
+
+Runs in the ``splitserve up`` process, which supervises every child (engine servers and the
+proxy) through a ``ServerGroup``: each child in its own process group with a log file in the run
+directory; any start-up failure stops everything and shows the failing server's log tail; a
+signal or a child that dies later stops everything. No child outlives ``up``.
+
+The engine command lines come from ``splitserve.launch.engines`` (no engine import here), so
+``describe`` can print exactly what ``up`` runs, for users porting it to their orchestrator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import SecretStr
+
+from splitserve.config import Deployment, PoolSettings, proxy_config_for
+from splitserve.launch import engines
+from splitserve.launch.group import ServerGroup
+from splitserve.launch.process import free_port, port_in_use
+from splitserve.models import PRESETS, ModelSpec, build_model
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+
+
+@dataclass
+class PlannedServer:
+    """One engine server of the deployment, fully resolved."""
+
+    name: str
+    role: str  # "prefill" | "decode"
+    port: int
+    side_channel_port: int | None
+    command: engines.ServerCommand
+
+
+def model_dir(dep: Deployment) -> Path:
+    """Where the model is: the configured path, or the preset built under the run directory."""
+    if dep.model.path is not None:
+        return Path(dep.model.path).resolve()
+    spec = _spec(dep)
+    return (dep.resolved_run_dir() / "models" / f"{dep.model.preset}-seed{spec.seed}").resolve()
+
+
+def _spec(dep: Deployment) -> ModelSpec:
+    assert dep.model.preset is not None
+    return ModelSpec(**{**PRESETS[dep.model.preset].model_dump(), **dep.model.shape})
+
+
+def ensure_model(dep: Deployment) -> Path:
+    """Build the preset model unless an identical one is already there."""
+    path = model_dir(dep)
+    if dep.model.path is not None:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {path} has no config.json")
+        return path
+    spec = _spec(dep)
+    meta = path / "splitserve-model.json"
+    if meta.is_file() and json.loads(meta.read_text()).get("spec") == spec.model_dump():
+        return path
+    return build_model(spec, path)
+
+
+def _kv_transfer_config(
+    dep: Deployment, side_port: int | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The --kv-transfer-config of one server, and the env it needs."""
+    if dep.connector.name == "nixl":
+        cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if dep.device == "cpu":
+            cfg["kv_buffer_device"] = "cpu"
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
+        return cfg, env
+    extra = {**dep.connector.settings, "side_channel_host": HOST, "side_channel_port": side_port}
+    cfg = {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    if dep.device == "cpu":
+        cfg["kv_buffer_device"] = "cpu"
+    return cfg, {}
+
+
+def _scheduler_args(pool: PoolSettings) -> tuple[list[str], dict[str, str]]:
+    if pool.scheduler is None:
+        return [], {}
+    from splitserve.schedulers.vllm import settings_cli_args  # owns the settings delivery
+
+    return settings_cli_args(pool.scheduler)
+
+
+def plan_servers(dep: Deployment, model: Path) -> list[PlannedServer]:
+    """Resolve every server's ports, flags and environment."""
+    planned: list[PlannedServer] = []
+    for role in ("prefill", "decode"):
+        pool: PoolSettings = getattr(dep, role)
+        for i in range(pool.count):
+            port = pool.base_port + i
+            side = (
+                pool.side_channel_base_port + i
+                if pool.side_channel_base_port is not None
+                else free_port(HOST)
+            )
+            kv_cfg, kv_env = _kv_transfer_config(dep, side)
+            sched_args, sched_env = _scheduler_args(pool)
+            core = pool.cpu_cores[i] if pool.cpu_cores is not None else None
+            cmd = engines.vllm_server(
+                str(model),
+                port,
+                host=HOST,
+                served_model_name=dep.model.served_name,
+                kv_transfer_config=kv_cfg,
+                extra_args=[*sched_args, *pool.args],
+                cpu=dep.device == "cpu",
+                cpu_core=core if dep.device == "cpu" else None,
+                env={**kv_env, **sched_env, **pool.env},
+            )
+            planned.append(PlannedServer(f"{role}-{i}", role, port, side, cmd))
+    return planned
+
+
+class PortInUseError(RuntimeError):
+    """A port the deployment needs is taken; raised before anything is started."""
+
+
+def check_ports(dep: Deployment, planned: list[PlannedServer]) -> None:
+    """Fail fast, before starting anything, if a port of the deployment is taken."""
+    wanted = [("proxy.port", proxy_port(dep))]
+    for s in planned:
+        wanted.append((f"{s.name} (HTTP)", s.port))
+        if s.side_channel_port is not None:
+            wanted.append((f"{s.name} (KV side channel)", s.side_channel_port))
+    taken = [f"{what}: port {port}" for what, port in wanted if port_in_use(port, HOST)]
+    if taken:
+        raise PortInUseError(
+            "ports already in use on "
+            + HOST
+            + ": "
+            + "; ".join(taken)
+            + ". Stop what holds them or change the ports in the deployment file."
+        )
+
+
+def write_proxy_config(dep: Deployment, planned: list[PlannedServer], path: Path) -> Path:
+    """The proxy's YAML (secrets written in clear: the run directory is the user's own)."""
+    side_ports = [s.side_channel_port for s in planned if s.role == "prefill"]
+    cfg = proxy_config_for(dep, side_ports, host=HOST)
+    data = _reveal(cfg.model_dump(mode="python", exclude_none=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _reveal(obj: Any) -> Any:
+    if isinstance(obj, SecretStr):
+        return obj.get_secret_value()
+    if isinstance(obj, dict):
+        return {k: _reveal(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_reveal(v) for v in obj]
+    return obj
+
+
+def proxy_port(dep: Deployment) -> int:
+    return int(dep.proxy.get("port", 8000))
+
+
+class DeploymentRunner:
+    """Start, supervise and stop one deployment."""
+
+    def __init__(self, dep: Deployment, echo: Callable[[str], None] = print) -> None:
+        self.dep = dep
+        self.echo = echo
+        self.run_dir = dep.resolved_run_dir()
+        self.group = ServerGroup(self.run_dir / "logs")
+        self.planned: list[PlannedServer] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{proxy_port(self.dep)}"
+
+    def start(self) -> None:
+        """Build the model, start servers and proxy, wait for all with progress output."""
+        self.echo(f"run directory: {self.run_dir} (logs in {self.run_dir / 'logs'})")
+        model = ensure_model(self.dep)
+        self.echo(f"model: {model}")
+        self.planned = plan_servers(self.dep, model)
+        check_ports(self.dep, self.planned)
+        for s in self.planned:
+            self.group.add(s.name, s.command.argv, port=s.port, host=HOST, env=s.command.env)
+            self.echo(
+                f"started {s.name} on :{s.port}"
+                + (f" (side channel :{s.side_channel_port})" if s.side_channel_port else "")
+            )
+        t0 = time.monotonic()
+        last = [0.0]
+
+        def progress(name: str, waited: float) -> None:
+            now = time.monotonic() - t0
+            if now - last[0] >= 10:
+                last[0] = now
+                states = ", ".join(
+                    f"{s.name}: {'ready' if s.ready else 'starting'}"
+                    for s in self.group.servers.values()
+                )
+                self.echo(f"[{now:4.0f} s] {states}")
+
+        self.group.wait(self.dep.startup_timeout_s, on_wait=progress)
+        self.echo(f"engine servers ready after {time.monotonic() - t0:.0f} s")
+        proxy_yaml = write_proxy_config(self.dep, self.planned, self.run_dir / "proxy.yaml")
+        self.group.add(
+            "proxy",
+            [sys.executable, "-m", "splitserve.cli", "proxy", "--config", str(proxy_yaml)],
+            port=proxy_port(self.dep),
+            host=HOST,
+            ready_path="/ready",
+        )
+        self.group.wait(60.0, names=["proxy"])
+        self.echo(f"proxy ready: {self.url}")
+
+    def example_request(self) -> str:
+        body = {
+            "model": self.dep.model.served_name,
+            "prompt": "hello world the quick brown fox",
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+        return (
+            f"curl -s {self.url}/v1/completions -H 'Content-Type: application/json' "
+            f"-d '{json.dumps(body)}'"
+        )
+
+    def supervise(self) -> int:
+        """Block until a signal (exit 0) or a child dies (exit 1)."""
+        try:
+            while True:
+                time.sleep(1.0)
+                for s in self.group.servers.values():
+                    if not s.process.alive():
+                        self.echo(
+                            f"{s.name} exited with code {s.process.returncode()}; stopping the "
+                            f"deployment\n--- last log lines of {s.name} ---\n{s.process.tail()}"
+                        )
+                        return 1
+        except KeyboardInterrupt:
+            return 0
+
+    @staticmethod
+    def install_signal_handlers() -> None:
+        """SIGTERM behaves like Ctrl-C: it interrupts start-up or supervision, and the caller's
+        ``finally`` stops everything."""
+
+        def _interrupt(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, _interrupt)
+
+    def stop(self) -> None:
+        """Stop every child. Further Ctrl-C / SIGTERM are ignored until done, so a second
+        interrupt cannot leave orphans behind."""
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.echo("stopping the deployment")
+            self.group.stop()
+            self.echo("all processes stopped")
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
