@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -153,7 +154,8 @@ class Forwarder:
     ) -> web.StreamResponse:
         if self._mode == "vllm-sequential":
             tid = dispatch.new_transfer_id()
-            p_body = dispatch.vllm_sequential_prefill_request(body)
+            # The id is for our connector behind this flow (stock NixlConnector ignores it).
+            p_body = dispatch.vllm_sequential_prefill_request(body, tid)
             try:
                 answer = await self._prefill(p, path, p_body, deadline)
             except ProxyError as e:
@@ -209,11 +211,11 @@ class Forwarder:
 
     # ------------------------------------------------------------------ upstream calls
 
-    def _timeout(self, deadline: float, idle: bool) -> aiohttp.ClientTimeout:
+    def _timeout(self, deadline: float) -> aiohttp.ClientTimeout:
+        """aiohttp's own bounds: connect, and the whole deadline as a backstop. The first-byte
+        and idle bounds are applied around the reads (they differ per read)."""
         remaining = max(0.001, deadline - asyncio.get_running_loop().time())
-        return aiohttp.ClientTimeout(
-            total=remaining, sock_connect=self._connect_s, sock_read=self._idle_s if idle else None
-        )
+        return aiohttp.ClientTimeout(total=remaining, sock_connect=self._connect_s)
 
     def _map_error(self, e: BaseException, b: Backend, what: str) -> UpstreamError:
         where = f"{b.pool} server {b.url}"
@@ -287,7 +289,7 @@ class Forwarder:
             b.url + path,
             data=json.dumps(payload).encode(),
             headers=self._headers,
-            timeout=self._timeout(deadline, idle=False),
+            timeout=self._timeout(deadline),
         ) as resp:
             return resp.status, await resp.read()
 
@@ -299,7 +301,7 @@ class Forwarder:
             d.url + path,
             data=json.dumps(payload).encode(),
             headers=self._headers,
-            timeout=self._timeout(deadline, idle=stream),
+            timeout=self._timeout(deadline),
         )
         try:
             if resp.status != 200 or not stream:
@@ -381,7 +383,7 @@ class Forwarder:
                 await out.write(first)
                 self.metrics.ttft.labels(route).observe(loop.time() - t_start)
                 outcome.status = 200
-                if await self._relay(resp, out, d, outcome):
+                if await self._relay(resp, out, d, outcome, deadline):
                     resp.release()
                     resp = None
                 self.metrics.upstream.labels(*d.labels).observe(loop.time() - t0)
@@ -401,14 +403,25 @@ class Forwarder:
             gauge.dec()
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, out: web.StreamResponse, d: Backend, outcome: Outcome
+        self,
+        resp: aiohttp.ClientResponse,
+        out: web.StreamResponse,
+        d: Backend,
+        outcome: Outcome,
+        deadline: float,
     ) -> bool:
-        """Copy D's stream to the client; True when it ended cleanly. An upstream failure ends
-        the client's stream with an SSE ``error`` event (the status line is already sent)."""
+        """Copy D's stream to the client as it comes; True when it ended cleanly.
+
+        Each read waits at most ``stream_idle_s`` (and never past the request's deadline). An
+        upstream failure ends the client's stream with an SSE ``error`` event (the status line
+        is already sent, so the status cannot change any more).
+        """
         content = resp.content
+        loop = asyncio.get_running_loop()
+        idle = self._idle_s
         while True:
             try:
-                chunk = await content.readany()
+                chunk = await _read_until(content, min(loop.time() + idle, deadline))
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 err = self._map_error(e, d, "the next chunk")
                 outcome.error_kind = f"midstream_{err.kind}"
@@ -419,3 +432,16 @@ class Forwarder:
             if not chunk:
                 return True
             await out.write(chunk)
+
+
+if sys.version_info >= (3, 11):
+
+    async def _read_until(content: aiohttp.StreamReader, when: float) -> bytes:
+        async with asyncio.timeout_at(when):
+            return await content.readany()
+
+else:  # pragma: no cover - Python 3.10
+
+    async def _read_until(content: aiohttp.StreamReader, when: float) -> bytes:
+        remaining = max(0.0, when - asyncio.get_running_loop().time())
+        return await asyncio.wait_for(content.readany(), remaining)

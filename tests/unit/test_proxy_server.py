@@ -24,7 +24,7 @@ from splitserve.proxy.server import build_app, proxy_state
 
 class FakeEngine:
     """A fake OpenAI engine server. ``mode``: ok | error500 | error400 | hang | die_midstream |
-    refuse_prefill_params (answers without kv_transfer_params)."""
+    stall_midstream | refuse_prefill_params (answers without kv_transfer_params)."""
 
     def __init__(self, name: str, mode: str = "ok", tokens: int = 5, delay: float = 0.0) -> None:
         self.name = name
@@ -108,6 +108,8 @@ class FakeEngine:
         for i in range(self.tokens):
             chunk = {"choices": [{"text": f" t{i}", "index": 0}], "served_by": self.name}
             await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if self.mode == "stall_midstream" and i == 1:
+                await asyncio.sleep(3600)
             if self.mode == "die_midstream" and i == 1:
                 assert request.transport is not None
                 request.transport.abort()
@@ -200,6 +202,7 @@ async def test_sequential_flow_nonstreaming(fakes, proxies) -> None:
     (d_body,) = fakes["d1"].bodies
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert len(p_body["kv_transfer_params"]["transfer_id"]) == 32
     assert d_body["kv_transfer_params"]["remote_engine_id"] == "p1", "P's params go to D"
     assert d_body["max_tokens"] == 5
 
@@ -238,7 +241,7 @@ async def test_concurrent_flow_sends_transfer_id_to_both(fakes, proxies) -> None
     }
 
 
-async def test_sglang_flow_adds_bootstrap_fields(fakes, proxies) -> None:
+async def test_sglang_flow_against_fake_standin_checks_bootstrap_fields(fakes, proxies) -> None:
     proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], engine="sglang"))
     proxies.append(proxy)
     status, answer = await post(proxy.url + "/v1/completions", COMPLETION)
@@ -321,6 +324,28 @@ async def test_decode_dies_midstream_ends_stream_with_error_event(fakes, proxies
     assert fakes["d2"].bodies == [], "after the first byte there is never a retry"
     metrics = proxy.state.metrics.render().decode()
     assert 'splitserve_proxy_errors_total{kind="midstream_upstream"} 1.0' in metrics
+
+
+async def test_stalled_stream_hits_idle_timeout(fakes, proxies) -> None:
+    fakes["d1"].mode = "stall_midstream"
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], timeouts={"stream_idle_s": 0.3}))
+    proxies.append(proxy)
+    status, events = await stream_events(
+        proxy.url + "/v1/completions", {**COMPLETION, "stream": True}
+    )
+    assert status == 200
+    assert [e["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
+    assert events[-1]["error"]["type"] == "timeout"
+    await wait_for(lambda: fakes["d1"].cancelled == 1)
+
+
+async def test_slow_decode_first_byte_timeout_is_504(fakes, proxies) -> None:
+    fakes["d1"].mode = "hang"
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], timeouts={"first_byte_s": 0.3}))
+    proxies.append(proxy)
+    status, answer = await post(proxy.url + "/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 504 and "first byte" in answer["error"]["message"]
+    await wait_for(lambda: fakes["d1"].cancelled == 1)
 
 
 async def test_client_disconnect_cancels_both_upstreams(fakes, proxies) -> None:

@@ -1,0 +1,272 @@
+"""The proxy in front of real vLLM servers: the sequential flow with stock NixlConnector (KV moves
+over real NIXL between two server processes), and fault handling with real processes.
+
+The official ``openai`` client talks to the proxy, which runs in-process on a background thread
+(``BackgroundProxy``). Servers are shared through the ``servers`` fixture: ``vllm-nixl-p`` /
+``vllm-nixl-d`` (stock NixlConnector, one core each) for anyone who needs a NIXL pair, and
+``proxy-victim`` (a plain server, no connector) that the kill test destroys.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+
+from splitserve.launch.process import free_ports
+from splitserve.proxy.config import build_config
+from splitserve.proxy.server import BackgroundProxy
+
+pytestmark = pytest.mark.integration
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+PROMPTS = [
+    "7 " + "hello world the quick brown fox " * 15,  # longer than a 128-token block
+    "a short prompt",
+    "the kv cache moves from prefill to decode " * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def nixl_pair(servers, tiny_model):
+    """(P, D): stock vLLM with NixlConnector on host memory, one core each."""
+    side_p, side_d = free_ports(2)
+    started = []
+    for key, core, side in (("vllm-nixl-p", 0, side_p), ("vllm-nixl-d", 1, side_d)):
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+        }
+        started.append(
+            servers.vllm(
+                key, tiny_model, kv_transfer_config=NIXL, env=env, cpu_core=core, wait=False
+            )
+        )
+    # Started now so that its start-up overlaps the pair's; waited for by ``victim``.
+    servers.vllm("proxy-victim", tiny_model, cpu_core=0, wait=False)
+    servers.wait_all("vllm-nixl-p", "vllm-nixl-d")
+    return started[0], started[1]
+
+
+@pytest.fixture(scope="module")
+def victim(servers, tiny_model, nixl_pair):
+    return servers.vllm("proxy-victim", tiny_model, cpu_core=0)
+
+
+def proxy_config(prefill: list[str], decode: list[str], **kw):
+    return build_config(
+        {
+            "port": 0,
+            "prefill": [{"url": u} for u in prefill],
+            "decode": [{"url": u} for u in decode],
+            "health": {"interval_s": 0.5, "timeout_s": 5},
+            **kw,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def proxy(nixl_pair) -> Iterator[BackgroundProxy]:
+    p, d = nixl_pair
+    with BackgroundProxy(proxy_config([p.url], [d.url])) as running:
+        yield running
+
+
+def client(url: str, timeout: float = 120.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+def reference(url: str, prompt: str, max_tokens: int) -> openai.types.Completion:
+    return client(url).completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+    )
+
+
+def vllm_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a vLLM Prometheus metric's samples whose labels include ``labels``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.2)
+
+
+def test_sequential_nixl_completions_match_colocated(nixl_pair, proxy) -> None:
+    p, _ = nixl_pair
+    c = client(proxy.url)
+    for prompt in PROMPTS:
+        ref = reference(p.url, prompt, 16)
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == ref.choices[0].text
+        assert got.usage.prompt_tokens == ref.usage.prompt_tokens  # D's usage, relayed
+        assert got.usage.completion_tokens == ref.usage.completion_tokens
+
+        chunks = list(
+            c.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == ref.choices[0].text
+        assert len([ch for ch in chunks if ch.choices]) > 1, "streamed, not one blob"
+        usage = [ch.usage for ch in chunks if ch.usage is not None]
+        assert usage and usage[-1].completion_tokens == ref.usage.completion_tokens
+
+
+def test_sequential_nixl_chat_streaming(nixl_pair, proxy) -> None:
+    p, _ = nixl_pair
+    messages = [{"role": "user", "content": "what does a decode server do with the kv cache"}]
+    ref = client(p.url).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0
+    )
+    stream = client(proxy.url).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == ref.choices[0].message.content
+
+
+def test_sequential_nixl_concurrent_clients(nixl_pair, proxy) -> None:
+    p, _ = nixl_pair
+    prompts = [f"request {i}: " + "tokens for the decode side " * (3 + 4 * i) for i in range(4)]
+    refs = [reference(p.url, pr, 12).choices[0].text for pr in prompts]
+
+    def one(prompt: str) -> str:
+        stream = client(proxy.url).completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, prompts)) == refs
+
+
+def test_metrics_models_and_ready(nixl_pair, proxy) -> None:
+    client(proxy.url).completions.create(model="tiny", prompt="metrics", max_tokens=2)
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'splitserve_proxy_requests_total{route="completions",status="200"}' in text
+    for name in ("prefill", "handoff", "ttft", "request"):
+        count = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith(f"splitserve_proxy_{name}_seconds_count")
+        ]
+        assert count and float(count[0].rsplit(" ", 1)[1]) > 0, name
+    models = client(proxy.url).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    with urllib.request.urlopen(proxy.url + "/ready", timeout=10) as r:
+        assert json.loads(r.read())["ready"] is True
+
+
+def test_upstream_400_reaches_the_client(proxy) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client(proxy.url).completions.create(model="tiny", prompt="x " * 5000, max_tokens=4)
+    assert "context length" in str(err.value) or "maximum" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        client(proxy.url).completions.create(model="tiny", prompt="x", max_tokens=4, n=2)
+
+
+def test_server_down_at_start_is_skipped(nixl_pair) -> None:
+    p, d = nixl_pair
+    dead_p, dead_d = (f"http://127.0.0.1:{port}" for port in free_ports(2))
+    config = proxy_config(
+        [dead_p, p.url],
+        [dead_d, d.url],
+        routing={"prefill": "round_robin", "decode": "round_robin"},
+    )
+    with BackgroundProxy(config) as running:
+        with urllib.request.urlopen(running.url + "/ready", timeout=10) as r:
+            ready = json.loads(r.read())
+        assert ready["ready"] is True
+        assert [s["healthy"] for s in ready["prefill"]["servers"]] == [False, True]
+        assert [s["healthy"] for s in ready["decode"]["servers"]] == [False, True]
+        for _ in range(3):
+            out = client(running.url).completions.create(model="tiny", prompt="up", max_tokens=3)
+            assert out.usage.completion_tokens == 3
+
+
+def test_slow_decode_hits_total_timeout(nixl_pair) -> None:
+    p, d = nixl_pair
+    config = proxy_config([p.url], [d.url], timeouts={"total_s": 1.0}, retries={"max_attempts": 1})
+    with BackgroundProxy(config) as running:
+        # 3000 greedy tokens take many seconds on a CPU: the 1 s bound ends it.
+        with pytest.raises(openai.APIStatusError) as err:
+            client(running.url).completions.create(
+                model="tiny", prompt="slow", max_tokens=3000, extra_body={"ignore_eos": True}
+            )
+        assert err.value.status_code == 504
+        assert "timed out" in str(err.value)
+    wait_until(lambda: vllm_metric(d.url, "vllm:num_requests_running") == 0, what="D idle")
+
+
+def test_client_disconnect_aborts_the_decode_request(nixl_pair, proxy) -> None:
+    _, d = nixl_pair
+
+    def finished() -> float:
+        return vllm_metric(
+            d.url, "vllm:request_success_total", finished_reason="length"
+        ) + vllm_metric(d.url, "vllm:request_success_total", finished_reason="stop")
+
+    before = finished()
+    stream = client(proxy.url).completions.create(
+        model="tiny", prompt="go on", max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    wait_until(lambda: vllm_metric(d.url, "vllm:num_requests_running") == 0, what="D idle")
+    assert finished() == before, "the request was aborted, not run to its 3000 tokens"
+
+
+def test_decode_killed_midstream(nixl_pair, victim) -> None:
+    p, d = nixl_pair
+    config = proxy_config([p.url], [victim.url, d.url], routing={"decode": "round_robin"})
+    with BackgroundProxy(config) as running:
+        c = client(running.url)
+        stream = c.completions.create(
+            model="tiny",
+            prompt="die",
+            max_tokens=3000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        got = 0
+        with pytest.raises(openai.APIError):
+            for _chunk in stream:
+                got += 1
+                if got == 3:
+                    os.killpg(victim.process.pid, signal.SIGKILL)  # the decode server dies
+        assert got >= 3, "the stream had started before the kill"
+        wait_until(lambda: not running.state.decode.backends[0].healthy, 30, "victim ejected")
+        for _ in range(2):  # later requests avoid the dead server
+            out = c.completions.create(model="tiny", prompt="after", max_tokens=3)
+            assert out.usage.completion_tokens == 3
+        with urllib.request.urlopen(running.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'splitserve_proxy_ejections_total{pool="decode",server="' + victim.url in text
