@@ -1,0 +1,238 @@
+"""NIXL agent lifecycle and block-level transfers, in the process that owns the KV cache.
+
+``KVAgent`` wraps one ``nixl_agent`` with the UCX backend: it registers the KV memory described
+by a ``KVLayout`` with its real memory type (DRAM for host memory), prepares one descriptor
+list over every (layer, block, run) of the local cache and of each peer's cache, and posts
+WRITE or READ transfers for lists of (layer, local block, remote block) triples. It imports no
+engine; it runs in the thread that calls it (NIXL's own progress thread is off by default: it
+keeps a whole core busy, see ENVIRONMENT.md, so callers poll through ``check``/``notifications``).
+
+Invariants:
+- Every block id is validated against the layout it indexes before anything is posted.
+- A handle is released exactly once, by ``release``; a failed post leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from splitserve.transfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+def _nixl_api():
+    """The NIXL Python API (imported lazily: ``import nixl`` costs seconds and imports torch)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+class TransferPostError(RuntimeError):
+    """NIXL refused to create or post a transfer (e.g. the peer is gone)."""
+
+
+class _DescriptorIndex:
+    """Maps (layer, block, run) to an index in a layout's one prepared descriptor list."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.layer_offsets: list[int] = []
+        total = 0
+        for layer in layout.layers:
+            self.layer_offsets.append(total)
+            total += layer.num_blocks * len(layer.runs)
+        self.size = total
+
+    def descriptors(self) -> np.ndarray:
+        rows = np.zeros((self.size, 3), dtype=np.uint64)
+        for layer, offset in zip(self.layout.layers, self.layer_offsets, strict=True):
+            n_runs = len(layer.runs)
+            blocks = np.arange(layer.num_blocks, dtype=np.uint64)
+            for r, (run_offset, run_len) in enumerate(layer.runs):
+                idx = offset + np.arange(layer.num_blocks) * n_runs + r
+                rows[idx, 0] = layer.base_addr + run_offset + blocks * layer.block_stride
+                rows[idx, 1] = run_len
+                rows[idx, 2] = self.layout.device_id
+        return rows
+
+    def indices(self, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Descriptor indices for (layer, block) pairs, all runs of each, in order."""
+        out = []
+        for layer_id in np.unique(layers):
+            layer = self.layout.layers[int(layer_id)]
+            n_runs = len(layer.runs)
+            sel = blocks[layers == layer_id]
+            base = self.layer_offsets[int(layer_id)] + sel * n_runs
+            out.append((base[:, None] + np.arange(n_runs)[None, :]).reshape(-1))
+        return np.concatenate(out).astype(np.int32) if out else np.zeros(0, np.int32)
+
+
+@dataclass
+class _Peer:
+    agent_name: str
+    layout: KVLayout
+    index: _DescriptorIndex
+    dlist: object
+
+
+@dataclass
+class XferHandle:
+    """One posted transfer: its NIXL handle and what it moved."""
+
+    peer: str
+    nixl_handle: object
+    num_bytes: int
+    tags: dict = field(default_factory=dict)
+
+
+class KVAgent:
+    """A NIXL agent over one KV cache (see module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        layout: KVLayout,
+        *,
+        backend_params: dict[str, str] | None = None,
+        progress_thread: bool = False,
+    ) -> None:
+        nixl_agent, nixl_agent_config = _nixl_api()
+        self.name = name
+        self.layout = layout
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        self._agent = nixl_agent(name, config)
+        self._agent.create_backend("UCX", dict(backend_params or {}))
+        ranges = layout.memory_ranges()
+        self._reg = self._agent.register_memory(
+            [(start, length, layout.device_id, "") for start, length in ranges], layout.memory
+        )
+        self._index = _DescriptorIndex(layout)
+        self._local_dlist = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self._index.descriptors(), layout.memory
+        )
+        self._peers: dict[str, _Peer] = {}
+        logger.info(
+            "NIXL agent %s registered %d range(s), %d layers x %d blocks (pid %d)",
+            name,
+            len(ranges),
+            len(layout.layers),
+            layout.num_blocks,
+            os.getpid(),
+        )
+
+    # -- metadata and peers -------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    def add_peer(self, agent_metadata: bytes, layout: KVLayout) -> str:
+        """Load a peer's metadata and prepare its descriptor list; returns its agent name.
+
+        Raises ``ValueError`` if its layout cannot exchange blocks with ours.
+        """
+        problem = self.layout.incompatibility(layout)
+        if problem:
+            raise ValueError(f"peer KV layout incompatible: {problem}")
+        agent_name = self._agent.add_remote_agent(agent_metadata)
+        if isinstance(agent_name, bytes):
+            agent_name = agent_name.decode()
+        if agent_name in self._peers:
+            return agent_name
+        index = _DescriptorIndex(layout)
+        dlist = self._agent.prep_xfer_dlist(agent_name, index.descriptors(), layout.memory)
+        self._peers[agent_name] = _Peer(agent_name, layout, index, dlist)
+        return agent_name
+
+    def remove_peer(self, agent_name: str) -> None:
+        peer = self._peers.pop(agent_name, None)
+        if peer is None:
+            return
+        peer.dlist.release()
+        self._agent.remove_remote_agent(agent_name)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def post(
+        self,
+        operation: str,
+        peer_name: str,
+        layers: Sequence[int],
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        notif: bytes = b"",
+    ) -> XferHandle:
+        """Post a WRITE (local -> peer) or READ (peer -> local) of whole blocks.
+
+        ``layers[i]``, ``local_blocks[i]``, ``remote_blocks[i]`` name one block copy. Raises
+        ``ValueError`` for an id outside either cache, ``TransferPostError`` if NIXL fails.
+        """
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferPostError(f"unknown peer agent {peer_name!r}")
+        if not (len(layers) == len(local_blocks) == len(remote_blocks)) or not layers:
+            raise ValueError("layers, local_blocks and remote_blocks must be equal, non-empty")
+        n_layers = len(self.layout.layers)
+        if any(not 0 <= layer < n_layers for layer in layers):
+            raise ValueError(f"layer index outside 0..{n_layers - 1}")
+        self.layout.validate_block_ids(local_blocks, "local block")
+        peer.layout.validate_block_ids(remote_blocks, f"block of peer {peer_name}")
+        layer_arr = np.asarray(layers, dtype=np.int64)
+        local_idx = self._index.indices(layer_arr, np.asarray(local_blocks, dtype=np.int64))
+        remote_idx = peer.index.indices(layer_arr, np.asarray(remote_blocks, dtype=np.int64))
+        num_bytes = sum(self.layout.layers[layer].block_bytes for layer in layers)
+        try:
+            handle = self._agent.make_prepped_xfer(
+                operation, self._local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
+            )
+        except Exception as exc:  # nixl raises its own error types; carry the reason up
+            raise TransferPostError(f"make_prepped_xfer to {peer_name}: {exc}") from exc
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            handle.release()
+            raise TransferPostError(f"transfer to {peer_name}: {exc}") from exc
+        if state == "ERR":
+            handle.release()
+            raise TransferPostError(f"transfer to {peer_name} failed at post")
+        return XferHandle(peer=peer_name, nixl_handle=handle, num_bytes=num_bytes)
+
+    def check(self, handle: XferHandle) -> str:
+        """ "DONE", "PROC" or "ERR" (a disconnected peer reads as "ERR")."""
+        try:
+            return self._agent.check_xfer_state(handle.nixl_handle)
+        except Exception as exc:
+            logger.warning("transfer to %s failed: %s", handle.peer, exc)
+            return "ERR"
+
+    def release(self, handle: XferHandle) -> None:
+        try:
+            handle.nixl_handle.release()
+        except Exception as exc:
+            # NIXL refuses to release a transfer it cannot cancel; the handle is leaked to the
+            # agent's own cleanup list rather than silently dropped.
+            logger.error("could not release transfer handle to %s: %s", handle.peer, exc)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications by sender agent name (also drives NIXL progress)."""
+        return self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            try:
+                self.remove_peer(name)
+            except Exception as exc:
+                logger.warning("removing peer %s at close: %s", name, exc)
+        try:
+            self._local_dlist.release()
+            self._agent.deregister_memory(self._reg)
+        except Exception as exc:
+            logger.warning("deregistering KV memory at close: %s", exc)

@@ -1,0 +1,174 @@
+"""Every control message of the KV transfer protocol, typed, versioned and encoded in one place.
+
+Runs in whichever process speaks the protocol (vLLM worker, SGLang scheduler, tests); imports
+no engine. A message travels as ``MAC_LEN(1 byte) | MAC | JSON body``: the body is the pydantic
+model dumped to JSON with a ``v`` (protocol version) and a ``type`` field; the MAC is
+HMAC-SHA256 of the body under the shared ``auth_key`` when one is configured (empty otherwise).
+
+Invariants:
+- ``decode`` either returns a fully validated message or raises a ``MessageError`` subclass that
+  says what was wrong (bad MAC, wrong version, malformed field). It never returns half a message.
+- When an ``auth_key`` is configured, a message without a valid MAC is rejected
+  (``MessageAuthError``), whatever its content.
+- Messages are small: block ids are lists of ints, agent metadata is base64 in JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+_MAC_SIZE = hashlib.sha256().digest_size
+
+
+class MessageError(ValueError):
+    """A control message could not be accepted."""
+
+
+class MessageAuthError(MessageError):
+    """The message's MAC is missing or does not match the shared key."""
+
+
+class MessageVersionError(MessageError):
+    """The message speaks another protocol version."""
+
+
+class MalformedMessageError(MessageError):
+    """The message is not valid JSON or a field is missing or has the wrong type."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class Hello(_Message):
+    """First contact from a receiver (D) to a sender (P): who I am and how to write into me.
+
+    ``layout`` is a ``splitserve.transfer.layout.KVLayout`` dumped to a dict; the sender checks it
+    against its own before accepting registrations from this peer.
+    """
+
+    type: Literal["hello"] = "hello"
+    agent_name: str
+    agent_metadata: bytes
+    layout: dict
+
+
+class HelloAck(_Message):
+    """The sender accepted a HELLO; names the agent whose notifications (DONE) will arrive."""
+
+    type: Literal["hello_ack"] = "hello_ack"
+    agent_name: str
+
+
+class Register(_Message):
+    """D's blocks for one transfer: ``block_ids[group]`` are D's block ids for the request's
+    logical blocks starting at ``token_offset // block_size`` (the tokens D already holds from
+    its own prefix cache are not sent). An empty list means D needs nothing: the sender may free.
+    """
+
+    type: Literal["register"] = "register"
+    transfer_id: str = Field(min_length=1, max_length=128)
+    agent_name: str
+    block_ids: list[list[Annotated[int, Field(ge=0)]]]
+    token_offset: int = Field(ge=0)
+
+
+class Done(_Message):
+    """All of a transfer's KV is written. Travels as a NIXL notification attached to the
+    transfer's last WRITE, so it arrives after the data it covers."""
+
+    type: Literal["done"] = "done"
+    transfer_id: str
+    num_blocks: int = Field(ge=0)
+    prefill_end_wall: float = Field(
+        description="P's wall clock (time.time()) when the last layer of the last chunk was "
+        "computed; D measures the exposed handoff from it (same host or synced clocks)"
+    )
+
+
+class Abort(_Message):
+    """Stop a transfer. From D: the request is gone, stop writing. From P: the transfer failed
+    (reason says why), D must not wait for DONE."""
+
+    type: Literal["abort"] = "abort"
+    transfer_id: str
+    reason: str
+
+
+class AbortAck(_Message):
+    """P settled an ABORT: no WRITE of this transfer is in flight any more; D may free."""
+
+    type: Literal["abort_ack"] = "abort_ack"
+    transfer_id: str
+
+
+class Announce(_Message):
+    """Pull strategy: P announces that ``layer``'s blocks ``src_block_ids`` (P's ids) are ready
+    for D to READ into ``dst_block_ids`` (D's ids). Defined for the pull strategy."""
+
+    type: Literal["announce"] = "announce"
+    transfer_id: str
+    layer: int = Field(ge=0)
+    src_block_ids: list[Annotated[int, Field(ge=0)]]
+    dst_block_ids: list[Annotated[int, Field(ge=0)]]
+
+
+Message = Annotated[
+    Hello | HelloAck | Register | Done | Abort | AbortAck | Announce,
+    Field(discriminator="type"),
+]
+_MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def _mac(auth_key: bytes, body: bytes) -> bytes:
+    return hmac.new(auth_key, body, hashlib.sha256).digest()
+
+
+def encode(message: _Message, auth_key: bytes | None = None) -> bytes:
+    """The wire bytes of ``message``, MAC'd under ``auth_key`` when given."""
+    body = message.model_dump_json().encode()
+    mac = _mac(auth_key, body) if auth_key else b""
+    return bytes([len(mac)]) + mac + body
+
+
+def decode(wire: bytes, auth_key: bytes | None = None) -> Message:
+    """Parse and authenticate wire bytes; raises a ``MessageError`` subclass on any problem."""
+    if not wire:
+        raise MalformedMessageError("empty message")
+    mac_len = wire[0]
+    if mac_len not in (0, _MAC_SIZE) or len(wire) < 1 + mac_len:
+        raise MalformedMessageError(f"bad MAC length {mac_len}")
+    mac, body = wire[1 : 1 + mac_len], wire[1 + mac_len :]
+    if auth_key:
+        if not mac:
+            raise MessageAuthError("message carries no MAC but an auth_key is configured")
+        if not hmac.compare_digest(mac, _mac(auth_key, body)):
+            raise MessageAuthError("message MAC does not match the configured auth_key")
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedMessageError(f"message body is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise MalformedMessageError("message body is not a JSON object")
+    if raw.get("v") != PROTOCOL_VERSION:
+        raise MessageVersionError(
+            f"protocol version {raw.get('v')!r}, this side speaks {PROTOCOL_VERSION}"
+        )
+    try:
+        return _MESSAGE_ADAPTER.validate_json(body)
+    except ValidationError as exc:
+        raise MalformedMessageError(f"invalid message: {exc.errors()[0]}") from exc
+
+
+def key_bytes(auth_key: str | None) -> bytes | None:
+    """The configured key as bytes (None when not set or empty)."""
+    return auth_key.encode() if auth_key else None

@@ -1,0 +1,255 @@
+"""The decode side (D) of the layer-wise push: registers blocks with P and waits for DONE.
+
+Engine-agnostic; runs in the thread that owns D's KV cache (vLLM worker, SGLang scheduler). In
+the push strategy D posts nothing: P writes into D's registered memory and D only learns, from
+the DONE notification that rides on P's last WRITE, that its blocks are filled.
+
+    expect(tid, host, port, block_ids, token_offset)  HELLO (first contact) + REGISTER to P
+    release_remote(tid, host, port)                   tell P we need nothing (empty REGISTER)
+    abort(tid, reason)                                 our request is gone: ABORT to P
+    poll() -> {tid: Outcome}                           transfers settled since the last call
+
+Invariants:
+- Every expected transfer settles exactly once: DONE (ok), ABORT from P, P's process lost, no
+  DONE within ``done_timeout_s`` (then ABORT to P), or our own abort.
+- After a timeout or our own abort, the outcome is held back until P answers ABORT_ACK (no
+  WRITE of P's is in flight any more) or ``abort_ack_timeout_s`` passes, so the engine never
+  reuses blocks that a late WRITE could still fill. A lost peer settles at once (it cannot
+  write any more).
+- A DONE must carry a valid MAC (when a key is set), name an expected transfer, and come from
+  the agent P named in its HELLO_ACK; anything else is dropped with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from splitserve.transfer import messages
+from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef, SideChannel
+from splitserve.transfer.state import Transfer, TransferState
+
+logger = logging.getLogger(__name__)
+S = TransferState
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    reason: str = ""
+    exposed_handoff_s: float | None = None  # P's last layer computed -> DONE seen here
+
+
+@dataclass
+class ReceiverStats:
+    transfers_completed: int = 0
+    transfers_failed: int = 0
+    done_timeouts: int = 0
+    messages_rejected: int = 0
+    handoffs_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Incoming:
+    record: Transfer
+    peer: PeerRef
+    num_blocks: int
+    outcome: Outcome | None = None  # decided, possibly held back until ABORT_ACK
+
+
+class KVReceiver:
+    """D's half of the protocol (see module docstring)."""
+
+    def __init__(
+        self,
+        agent: KVAgent,
+        channel: SideChannel,
+        *,
+        done_timeout_s: float,
+        abort_ack_timeout_s: float = 5.0,
+        clock=time.monotonic,
+    ) -> None:
+        self.agent = agent
+        self.channel = channel
+        self.done_timeout_s = done_timeout_s
+        self.abort_ack_timeout_s = abort_ack_timeout_s
+        self.clock = clock
+        self.stats = ReceiverStats()
+        self._transfers: dict[str, _Incoming] = {}
+        self._hello_sent: set[PeerRef] = set()
+        self._sender_agents: dict[PeerRef, str] = {}
+        self._settled: dict[str, Outcome] = {}
+
+    def _peer(self, host: str, port: int) -> PeerRef:
+        peer = PeerRef(host=host, port=int(port))
+        if peer not in self._hello_sent:
+            self._hello_sent.add(peer)
+            hello = messages.Hello(
+                agent_name=self.agent.name,
+                agent_metadata=self.agent.metadata(),
+                layout=self.agent.layout.model_dump(),
+            )
+            self.channel.send(peer, hello)
+        return peer
+
+    def expect(
+        self, transfer_id: str, host: str, port: int, block_ids: list[int], token_offset: int
+    ) -> None:
+        """Register ``block_ids`` (ours, for logical blocks from ``token_offset // B``) with P."""
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer {transfer_id} already expected")
+        self.agent.layout.validate_block_ids(block_ids, "local block to receive")
+        peer = self._peer(host, port)
+        record = Transfer(transfer_id, S.REGISTERED, deadline=self.clock() + self.done_timeout_s)
+        self._transfers[transfer_id] = _Incoming(record, peer, len(block_ids))
+        self.channel.send(
+            peer,
+            messages.Register(
+                transfer_id=transfer_id,
+                agent_name=self.agent.name,
+                block_ids=[list(block_ids)],
+                token_offset=token_offset,
+            ),
+        )
+
+    def release_remote(self, transfer_id: str, host: str, port: int) -> None:
+        """We need none of P's blocks (e.g. a full local prefix hit): let P free them now."""
+        peer = self._peer(host, port)
+        reg = messages.Register(
+            transfer_id=transfer_id, agent_name=self.agent.name, block_ids=[[]], token_offset=0
+        )
+        self.channel.send(peer, reg)
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """Our request is gone: ask P to stop; the outcome comes once P acknowledges."""
+        inc = self._transfers.get(transfer_id)
+        if inc is None or inc.record.state.terminal:
+            return
+        inc.record.transition(S.ABORTED, reason)
+        self._hold_until_ack(inc, Outcome(False, f"aborted: {reason}"))
+
+    def poll(self) -> dict[str, Outcome]:
+        events = self.channel.receive()
+        # Notifications first, and a few extra progress rounds when a peer is gone: a P that
+        # wrote DONE and then exited must not read as "lost" because its FIN came first.
+        rounds = 3 if any(isinstance(event, PeerLost) for event in events) else 1
+        for _ in range(rounds):
+            for sender_agent, notifs in self.agent.notifications().items():
+                name = sender_agent.decode() if isinstance(sender_agent, bytes) else sender_agent
+                for notif in notifs:
+                    self._on_notification(name, notif)
+        for event in events:
+            if isinstance(event, PeerLost):
+                self._on_peer_lost(event.peer)
+            elif isinstance(event, Inbound):
+                self._on_message(event.peer, event.message)
+        now = self.clock()
+        for inc in self._transfers.values():
+            if inc.record.state is S.REGISTERED and inc.record.expired(now):
+                inc.record.transition(S.EXPIRED, f"no DONE within {self.done_timeout_s}s")
+                self.stats.done_timeouts += 1
+                self._hold_until_ack(inc, Outcome(False, inc.record.reason))
+            elif inc.outcome is not None and inc.record.expired(now):
+                logger.warning(
+                    "transfer %s: no ABORT_ACK from %s within %ss; settling anyway",
+                    inc.record.transfer_id,
+                    inc.peer,
+                    self.abort_ack_timeout_s,
+                )
+                self._settle(inc, inc.outcome)
+        settled, self._settled = self._settled, {}
+        return settled
+
+    def pending(self) -> int:
+        return len(self._transfers)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _hold_until_ack(self, inc: _Incoming, outcome: Outcome) -> None:
+        inc.outcome = outcome
+        inc.record.deadline = self.clock() + self.abort_ack_timeout_s
+        self.channel.send(
+            inc.peer, messages.Abort(transfer_id=inc.record.transfer_id, reason=outcome.reason)
+        )
+
+    def _settle(self, inc: _Incoming, outcome: Outcome) -> None:
+        tid = inc.record.transfer_id
+        self._transfers.pop(tid, None)
+        self._settled[tid] = outcome
+        if outcome.ok:
+            self.stats.transfers_completed += 1
+            if outcome.exposed_handoff_s is not None:
+                self.stats.handoffs_s.append(outcome.exposed_handoff_s)
+        else:
+            self.stats.transfers_failed += 1
+
+    def _fail(self, inc: _Incoming, reason: str) -> None:
+        if inc.record.state is S.REGISTERED:
+            inc.record.transition(S.FAILED, reason)
+        self._settle(inc, Outcome(False, reason))
+
+    def _on_peer_lost(self, peer: PeerRef) -> None:
+        self._hello_sent.discard(peer)  # a restarted P needs our metadata again
+        self._sender_agents.pop(peer, None)
+        for inc in list(self._transfers.values()):
+            if inc.peer == peer:
+                self._fail(inc, f"lost connection to prefill side {peer}")
+
+    def _on_message(self, peer: PeerRef, message: messages.Message) -> None:
+        if isinstance(message, messages.HelloAck):
+            self._sender_agents[peer] = message.agent_name
+            return
+        if isinstance(message, (messages.Abort, messages.AbortAck)):
+            tid = message.transfer_id
+            if tid == "*" and isinstance(message, messages.Abort):  # P refused our HELLO
+                for inc in list(self._transfers.values()):
+                    if inc.peer == peer and inc.outcome is None:
+                        self._fail(inc, f"prefill side refused: {message.reason}")
+                return
+            inc = self._transfers.get(tid)
+            if inc is None or inc.peer != peer:
+                return
+            if isinstance(message, messages.AbortAck):
+                if inc.outcome is not None:
+                    self._settle(inc, inc.outcome)
+            elif inc.outcome is not None:
+                self._settle(inc, inc.outcome)  # P aborted too: nothing of its is in flight
+            else:
+                self._fail(inc, f"prefill side aborted: {message.reason}")
+            return
+        logger.warning("receiver: unexpected %s from %s", message.type, peer)
+
+    def _on_notification(self, sender_agent: str, notif: bytes) -> None:
+        try:
+            message = messages.decode(notif, self.channel.auth_key)
+        except messages.MessageError as exc:
+            self.stats.messages_rejected += 1
+            logger.warning("receiver: rejected a notification from %s: %s", sender_agent, exc)
+            return
+        if not isinstance(message, messages.Done):
+            logger.warning("receiver: unexpected %s notification", message.type)
+            return
+        inc = self._transfers.get(message.transfer_id)
+        if inc is None:
+            logger.warning("receiver: DONE for unknown transfer %s", message.transfer_id)
+            return
+        expected_agent = self._sender_agents.get(inc.peer)
+        if expected_agent is not None and expected_agent != sender_agent:
+            self.stats.messages_rejected += 1
+            logger.warning(
+                "receiver: DONE for %s from agent %s, expected %s",
+                message.transfer_id,
+                sender_agent,
+                expected_agent,
+            )
+            return
+        if inc.record.state is not S.REGISTERED:
+            return  # already timed out or aborted: the held outcome stands
+        if message.num_blocks != inc.num_blocks:
+            self._fail(inc, f"DONE covers {message.num_blocks} blocks, expected {inc.num_blocks}")
+            return
+        inc.record.transition(S.COMPLETED)
+        handoff = max(0.0, time.time() - message.prefill_end_wall)
+        self._settle(inc, Outcome(True, exposed_handoff_s=handoff))

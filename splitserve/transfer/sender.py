@@ -1,0 +1,449 @@
+"""The prefill side (P) of the layer-wise push: streams a request's KV blocks to D as it computes.
+
+Engine-agnostic; runs in the thread that runs the model (vLLM worker, SGLang scheduler). The
+engine adapter drives it per step:
+
+    begin_step(updates)      before the forward: block tables and tokens this step completes
+    layer_done(layer)        after each layer: WRITE this layer's newly completed blocks
+    end_step()               after the forward: advance the watermarks
+    finish_request / cancel  the engine finished (lease starts) or dropped the request
+    poll() -> released ids   control messages, completions, DONE, leases; ids whose blocks may
+                             be freed now
+
+Block arithmetic (B tokens per block, N prompt tokens, c tokens computed so far): blocks
+``[0, c // B)`` are complete, all ``ceil(N / B)`` once ``c >= N``. D registers its blocks for
+logical blocks ``[first, first + len(ids))``; every (layer, block) in that range is written
+exactly once, when it is complete and registered, so no block is written twice and a partially
+filled block is never sent. Blocks P did not compute (its own prefix-cache hits) are complete
+from the start and go out in the first step. DONE is a NIXL notification on one final WRITE
+posted after every other WRITE of the transfer has completed, so it arrives after the data.
+
+Invariants:
+- Nothing is posted for a block id that fails validation against either cache.
+- A request's blocks are released only when its transfer is terminal and none of its WRITEs is
+  in flight; an ABORT or ABORT_ACK is sent to D only then, so D never frees blocks that a WRITE
+  of ours may still fill.
+- Registrations for transfer ids we do not know yet are held for the lease, then refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from splitserve.transfer import messages
+from splitserve.transfer.agent import KVAgent, TransferPostError, XferHandle
+from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.side_channel import Inbound, PeerRef, SideChannel
+from splitserve.transfer.state import Transfer, TransferState
+
+logger = logging.getLogger(__name__)
+S = TransferState
+
+
+@dataclass
+class StepUpdate:
+    """One producing request's state for the step about to run."""
+
+    transfer_id: str
+    block_ids: list[int]  # P's block ids for the request, logical order, at least as many as used
+    computed_after_step: int  # tokens whose KV is complete once this step's forward ends
+
+
+@dataclass
+class SenderStats:
+    bytes_sent: int = 0
+    writes_posted: int = 0
+    transfers_completed: int = 0
+    transfers_failed: int = 0
+    transfers_aborted: int = 0
+    lease_expiries: int = 0
+    registrations_rejected: int = 0
+
+
+@dataclass
+class _Outgoing:
+    record: Transfer
+    num_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+    step_computed: int | None = None
+    # registration
+    peer: PeerRef | None = None
+    peer_agent: str | None = None
+    first: int = 0
+    dst_blocks: list[int] = field(default_factory=list)
+    sent_upto: int = 0
+    handles: list[XferHandle] = field(default_factory=list)
+    carrier: XferHandle | None = None
+    request_finished: bool = False
+    abort_from_peer: bool = False
+    notified_peer: bool = False
+    prefill_end_wall: float | None = None
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.dst_blocks)
+
+
+@dataclass
+class _Orphan:
+    peer: PeerRef
+    message: messages.Register
+    deadline: float
+
+
+class KVSender:
+    """P's half of the protocol (see module docstring)."""
+
+    def __init__(
+        self,
+        agent: KVAgent,
+        channel: SideChannel,
+        *,
+        lease_s: float,
+        clock=time.monotonic,
+    ) -> None:
+        self.agent = agent
+        self.channel = channel
+        self.layout: KVLayout = agent.layout
+        self.block_size = agent.layout.block_size
+        self.num_layers = len(agent.layout.layers)
+        self.lease_s = lease_s
+        self.clock = clock
+        self.stats = SenderStats()
+        self._transfers: dict[str, _Outgoing] = {}
+        self._orphans: dict[str, _Orphan] = {}
+        self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
+        self._peer_agents: dict[bytes, str] = {}  # ROUTER identity -> agent name
+        self._in_step: list[_Outgoing] = []
+        self._layers_seen: set[int] = set()
+        self._stepping = False
+
+    # -- engine-driven lifecycle -------------------------------------------------------------
+
+    def add_request(self, transfer_id: str, num_tokens: int) -> None:
+        """A request whose KV goes to a D; ``num_tokens`` is the prompt length P computes."""
+        if transfer_id in self._transfers:
+            return
+        out = _Outgoing(Transfer(transfer_id, S.AWAITING_REGISTRATION), num_tokens=num_tokens)
+        self._transfers[transfer_id] = out
+        if transfer_id in self._tombstones:  # D aborted before we heard of the request
+            out.record.transition(S.ABORTED, "receiver aborted before the request arrived")
+            out.notified_peer = True
+            return
+        orphan = self._orphans.pop(transfer_id, None)
+        if orphan is not None:
+            self._on_register(orphan.peer, orphan.message)
+
+    def begin_step(self, updates: Iterable[StepUpdate]) -> None:
+        self._process_inbox()
+        self._in_step = []
+        self._layers_seen = set()
+        for update in updates:
+            out = self._transfers.get(update.transfer_id)
+            if out is None or out.record.state.terminal:
+                continue
+            out.block_ids = list(update.block_ids)
+            out.step_computed = min(update.computed_after_step, out.num_tokens)
+            self._in_step.append(out)
+        self._stepping = True
+
+    def layer_done(self, layer: int) -> None:
+        """Post this layer's blocks completed by the running step, for registered transfers."""
+        self._layers_seen.add(layer)
+        for out in self._in_step:
+            if out.record.state is not S.STREAMING or out.step_computed is None:
+                continue
+            hi = min(self._ready_blocks(out, out.step_computed), out.end)
+            if hi > out.sent_upto:
+                self._post(out, [layer], out.sent_upto, hi)
+            if layer == self.num_layers - 1 and out.step_computed >= out.num_tokens:
+                out.prefill_end_wall = time.time()
+
+    def end_step(self) -> None:
+        # A layer the engine did not report (no per-layer hook ran for it) is posted now, so
+        # the watermark below never runs ahead of what was written.
+        for layer in range(self.num_layers):
+            if layer not in self._layers_seen and self._in_step:
+                self.layer_done(layer)
+        self._layers_seen = set()
+        for out in self._in_step:
+            if out.step_computed is None:
+                continue
+            out.computed = max(out.computed, out.step_computed)
+            if out.computed >= out.num_tokens and out.prefill_end_wall is None:
+                out.prefill_end_wall = time.time()
+            if out.record.state is S.STREAMING:
+                out.sent_upto = max(out.sent_upto, min(self._ready_blocks(out), out.end))
+                if out.sent_upto >= out.end:
+                    out.record.transition(S.FLUSHING)
+            out.step_computed = None
+        self._in_step = []
+        self._stepping = False
+
+    def finish_request(self, transfer_id: str) -> None:
+        """The engine finished the request and holds its blocks for us: start the lease."""
+        out = self._transfers.get(transfer_id)
+        if out is None:
+            return
+        out.request_finished = True
+        if out.record.state is S.AWAITING_REGISTRATION:
+            out.record.deadline = self.clock() + self.lease_s
+
+    def cancel(self, transfer_id: str, reason: str) -> None:
+        """The engine dropped the request (aborted, preempted): stop and tell D."""
+        self._tombstones[transfer_id] = self.clock() + self.lease_s
+        self._orphans.pop(transfer_id, None)
+        out = self._transfers.get(transfer_id)
+        if out is None:
+            return
+        out.request_finished = True
+        if not out.record.state.terminal:
+            out.record.transition(S.ABORTED, reason)
+            self.stats.transfers_aborted += 1
+
+    def poll(self) -> set[str]:
+        """Drive messages, completions and leases; ids whose blocks may be freed now."""
+        if not self._stepping:
+            self._process_inbox()
+        now = self.clock()
+        for out in list(self._transfers.values()):
+            self._settle_handles(out)
+            if out.record.state is S.FLUSHING and not out.handles and out.carrier is None:
+                self._post_carrier(out)
+            if out.record.state is S.AWAITING_REGISTRATION and out.record.expired(now):
+                out.record.transition(S.EXPIRED, f"no registration within {self.lease_s}s lease")
+                self.stats.lease_expiries += 1
+        for tid, orphan in list(self._orphans.items()):
+            if now >= orphan.deadline:
+                del self._orphans[tid]
+                self._refuse(orphan.peer, tid, "unknown transfer id")
+        for tid, until in list(self._tombstones.items()):
+            if now >= until:
+                del self._tombstones[tid]
+        released: set[str] = set()
+        for tid, out in list(self._transfers.items()):
+            if not out.record.state.terminal or out.handles or out.carrier is not None:
+                continue
+            self._notify_peer_of_end(out)
+            if out.request_finished:
+                released.add(tid)
+                del self._transfers[tid]
+        return released
+
+    def state_of(self, transfer_id: str) -> TransferState | None:
+        out = self._transfers.get(transfer_id)
+        return out.record.state if out else None
+
+    def has_work(self) -> bool:
+        return bool(self._transfers or self._orphans)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _ready_blocks(self, out: _Outgoing, computed: int | None = None) -> int:
+        c = out.computed if computed is None else computed
+        if c >= out.num_tokens:
+            return math.ceil(out.num_tokens / self.block_size)
+        return c // self.block_size
+
+    def _post(self, out: _Outgoing, layers: list[int], lo: int, hi: int) -> None:
+        if hi > len(out.block_ids):
+            self._fail(out, f"block table has {len(out.block_ids)} blocks, need {hi}")
+            return
+        src = out.block_ids[lo:hi]
+        dst = out.dst_blocks[lo - out.first : hi - out.first]
+        all_layers = [layer for layer in layers for _ in src]
+        try:
+            handle = self.agent.post(
+                "WRITE", out.peer_agent, all_layers, src * len(layers), dst * len(layers)
+            )
+        except (TransferPostError, ValueError) as exc:
+            self._fail(out, f"WRITE not posted: {exc}")
+            return
+        out.handles.append(handle)
+        self.stats.writes_posted += 1
+        self.stats.bytes_sent += handle.num_bytes
+
+    def _post_carrier(self, out: _Outgoing) -> None:
+        """The final WRITE (last block of the last layer, already sent, idempotent) with DONE."""
+        done = messages.Done(
+            transfer_id=out.record.transfer_id,
+            num_blocks=len(out.dst_blocks),
+            prefill_end_wall=out.prefill_end_wall or time.time(),
+        )
+        notif = messages.encode(done, self.channel.auth_key)
+        last = self.num_layers - 1
+        try:
+            out.carrier = self.agent.post(
+                "WRITE",
+                out.peer_agent,
+                [last],
+                [out.block_ids[out.end - 1]],
+                [out.dst_blocks[-1]],
+                notif=notif,
+            )
+        except (TransferPostError, ValueError) as exc:
+            self._fail(out, f"DONE not posted: {exc}")
+
+    def _settle_handles(self, out: _Outgoing) -> None:
+        pending = []
+        for handle in out.handles:
+            state = self.agent.check(handle)
+            if state == "PROC":
+                pending.append(handle)
+                continue
+            self.agent.release(handle)
+            if state == "ERR":
+                self._fail(out, f"WRITE to {handle.peer} failed")
+        out.handles = pending
+        if out.carrier is not None:
+            state = self.agent.check(out.carrier)
+            if state != "PROC":
+                self.agent.release(out.carrier)
+                out.carrier = None
+                if state == "DONE" and out.record.state is S.FLUSHING:
+                    out.record.transition(S.COMPLETED)
+                    out.notified_peer = True  # DONE itself told D
+                    self.stats.transfers_completed += 1
+                elif state == "ERR":
+                    self._fail(out, "DONE WRITE failed")
+
+    def _fail(self, out: _Outgoing, reason: str) -> None:
+        if not out.record.state.terminal:
+            out.record.transition(S.FAILED, reason)
+            self.stats.transfers_failed += 1
+
+    def _notify_peer_of_end(self, out: _Outgoing) -> None:
+        """Once nothing is in flight: ABORT_ACK if D aborted, else ABORT if we failed."""
+        if out.notified_peer or out.peer is None:
+            return
+        out.notified_peer = True
+        tid = out.record.transfer_id
+        if out.abort_from_peer:
+            self.channel.send(out.peer, messages.AbortAck(transfer_id=tid))
+        elif out.record.state is not S.COMPLETED:
+            reason = f"{out.record.state.value}: {out.record.reason}"
+            self.channel.send(out.peer, messages.Abort(transfer_id=tid, reason=reason))
+
+    def _refuse(self, peer: PeerRef, transfer_id: str, reason: str) -> None:
+        self.stats.registrations_rejected += 1
+        logger.warning("refusing registration %s from %s: %s", transfer_id, peer, reason)
+        self.channel.send(peer, messages.Abort(transfer_id=transfer_id, reason=reason))
+
+    def _process_inbox(self) -> None:
+        for event in self.channel.receive():
+            if not isinstance(event, Inbound):
+                continue
+            message, peer = event.message, event.peer
+            if isinstance(message, messages.Hello):
+                self._on_hello(peer, message)
+            elif isinstance(message, messages.Register):
+                self._on_register(peer, message)
+            elif isinstance(message, messages.Abort):
+                self._on_abort(peer, message)
+            else:
+                logger.warning("sender: unexpected %s from %s", message.type, peer)
+
+    def _on_hello(self, peer: PeerRef, hello: messages.Hello) -> None:
+        try:
+            layout = KVLayout.model_validate(hello.layout)
+            name = self.agent.add_peer(hello.agent_metadata, layout)
+        except Exception as exc:  # bad metadata or layout: refuse this peer, keep serving
+            logger.warning("refusing HELLO from %s (%s): %s", peer, hello.agent_name, exc)
+            self.channel.send(peer, messages.Abort(transfer_id="*", reason=f"hello: {exc}"))
+            return
+        if name != hello.agent_name:
+            logger.warning(
+                "HELLO from %s names %s, metadata names %s", peer, hello.agent_name, name
+            )
+        assert peer.inbound is not None
+        self._peer_agents[peer.inbound] = name
+        self.channel.send(peer, messages.HelloAck(agent_name=self.agent.name))
+
+    def _on_register(self, peer: PeerRef, reg: messages.Register) -> None:
+        tid = reg.transfer_id
+        agent_name = self._peer_agents.get(peer.inbound or b"")
+        if agent_name is None or agent_name != reg.agent_name:
+            self._refuse(peer, tid, "registration before a valid HELLO")
+            return
+        if tid in self._tombstones:
+            self._refuse(peer, tid, "transfer cancelled on the prefill side")
+            return
+        out = self._transfers.get(tid)
+        if out is None:
+            if tid in self._orphans:
+                self._refuse(peer, tid, "duplicate registration")
+                return
+            self._orphans[tid] = _Orphan(peer, reg, self.clock() + self.lease_s)
+            return
+        if out.record.state is not S.AWAITING_REGISTRATION:
+            self._refuse(peer, tid, f"registration in state {out.record.state.value}")
+            return
+        problem = self._registration_problem(out, reg)
+        if problem:
+            out.peer = peer  # so the ABORT reaches D
+            self._fail(out, f"invalid registration: {problem}")
+            self.stats.registrations_rejected += 1
+            return
+        out.peer, out.peer_agent = peer, agent_name
+        out.first = reg.token_offset // self.block_size
+        out.dst_blocks = list(reg.block_ids[0]) if reg.block_ids else []
+        out.sent_upto = out.first
+        out.record.deadline = None
+        if not out.dst_blocks:
+            out.record.transition(S.COMPLETED, "receiver needs no blocks")
+            out.notified_peer = True
+            self.stats.transfers_completed += 1
+            return
+        out.record.transition(S.STREAMING)
+        hi = min(self._ready_blocks(out), out.end)
+        if hi > out.sent_upto:  # bulk: everything completed before the registration came
+            self._post(out, list(range(self.num_layers)), out.sent_upto, hi)
+            out.sent_upto = hi
+        if out.record.state is S.STREAMING and out.sent_upto >= out.end:
+            out.record.transition(S.FLUSHING)
+
+    def _registration_problem(self, out: _Outgoing, reg: messages.Register) -> str | None:
+        if len(reg.block_ids) > 1:
+            return f"{len(reg.block_ids)} KV cache groups, this sender supports one"
+        if reg.token_offset % self.block_size:
+            return f"token offset {reg.token_offset} not a multiple of block size"
+        dst = reg.block_ids[0] if reg.block_ids else []
+        first = reg.token_offset // self.block_size
+        total = math.ceil(out.num_tokens / self.block_size)
+        if first + len(dst) > total:
+            return f"asks blocks {first}..{first + len(dst) - 1}, request has {total}"
+        if len(set(dst)) != len(dst):
+            return "duplicate destination block ids"
+        try:
+            peer = self.agent._peers[reg.agent_name].layout  # noqa: SLF001 (same package)
+            peer.validate_block_ids(dst, "registered block")
+        except (KeyError, ValueError) as exc:
+            return str(exc)
+        return None
+
+    def _on_abort(self, peer: PeerRef, abort: messages.Abort) -> None:
+        tid = abort.transfer_id
+        self._orphans.pop(tid, None)
+        out = self._transfers.get(tid)
+        if out is None or out.peer is None or out.peer != peer:
+            # Nothing of ours writes for this id on this peer's behalf: settled at once.
+            self.channel.send(peer, messages.AbortAck(transfer_id=tid))
+            if out is None:
+                self._tombstones[tid] = self.clock() + self.lease_s
+            if out is not None and out.record.state is S.AWAITING_REGISTRATION:
+                self._tombstones[tid] = self.clock() + self.lease_s
+                out.record.transition(S.ABORTED, f"receiver aborted: {abort.reason}")
+                self.stats.transfers_aborted += 1
+                out.notified_peer = True
+            return
+        out.abort_from_peer = True
+        if out.record.state.terminal:
+            out.notified_peer = False  # still owe the ACK
+        else:
+            out.record.transition(S.ABORTED, f"receiver aborted: {abort.reason}")
+            self.stats.transfers_aborted += 1
