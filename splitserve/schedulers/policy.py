@@ -22,10 +22,12 @@ Invariants: ``min_chunk <= budget <= max_chunk``; with decodes running the budge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.schedulers.step_model import (
     Observation,
@@ -211,7 +213,8 @@ class BudgetPolicy:
             raw, reason = lo * align, "fits"
 
         budget = self._smooth(raw)
-        return BudgetDecision(budget, self.predict_s(state, budget), reason)
+        predicted = self.model.predict_s(plan_features(state, budget, decode_tokens, decode_pairs))
+        return BudgetDecision(budget, predicted, reason)
 
     def predict_s(self, state: StepState, prefill_budget: int) -> float:
         """Predicted duration of the next step if it gets ``prefill_budget`` prefill tokens."""
@@ -264,3 +267,47 @@ def plan_features(
         pairs += chunk_attention_pairs(prefill.computed_tokens, take)
         left -= take
     return StepFeatures(tokens=tokens, sequences=sequences, attention_pairs=pairs)
+
+
+# --- where the settings come from -------------------------------------------------------------
+
+ADDITIONAL_CONFIG_KEY = "splitserve_scheduler"
+SETTINGS_FILE_ENV = "SPLITSERVE_SCHEDULER_CONFIG"
+
+
+class SchedulerSettingsError(ValueError):
+    """The scheduler's settings are missing, unreadable or invalid (raised at engine start-up)."""
+
+
+def load_budget_settings(
+    inline: Mapping[str, Any] | None, environ: Mapping[str, str]
+) -> BudgetPolicySettings:
+    """Settings from an inline mapping (vLLM: ``--additional-config '{"splitserve_scheduler":
+    {...}}'``) or from the YAML/JSON file named by ``$SPLITSERVE_SCHEDULER_CONFIG``; defaults when
+    neither is given. Both at once is an error (which one wins would be a guess).
+    """
+    path = environ.get(SETTINGS_FILE_ENV)
+    if inline is not None and path:
+        raise SchedulerSettingsError(
+            f"scheduler settings given twice: additional_config[{ADDITIONAL_CONFIG_KEY!r}] and "
+            f"${SETTINGS_FILE_ENV}={path}; keep one"
+        )
+    if path:
+        source = f"${SETTINGS_FILE_ENV}={path}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise SchedulerSettingsError(f"cannot read scheduler settings {source}: {exc}") from exc
+        data = {} if data is None else data
+    else:
+        source = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
+        data = {} if inline is None else inline
+    if not isinstance(data, Mapping):
+        raise SchedulerSettingsError(
+            f"scheduler settings ({source}) must be a mapping, got {type(data).__name__}"
+        )
+    try:
+        return BudgetPolicySettings.model_validate(dict(data))
+    except ValidationError as exc:
+        raise SchedulerSettingsError(f"invalid scheduler settings ({source}): {exc}") from exc

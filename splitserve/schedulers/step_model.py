@@ -136,6 +136,7 @@ class RobustStepModel:
         self.settings = settings or StepModelSettings()
         prior = self.settings.prior
         self._theta = prior.coefficients()
+        self._clamped = list(self._theta)
         noise_var = prior.relative_noise**2
         n = len(self._theta)
         self._p0_diag = [(prior.relative_std * t) ** 2 / noise_var for t in self._theta]
@@ -149,10 +150,7 @@ class RobustStepModel:
     @property
     def coefficients(self) -> dict[str, float]:
         """The coefficients predictions use (the fit's, clamped at zero)."""
-        return dict(zip(FEATURE_NAMES, self._effective_theta(), strict=True))
-
-    def _effective_theta(self) -> list[float]:
-        return [max(0.0, t) for t in self._theta]
+        return dict(zip(FEATURE_NAMES, self._clamped, strict=True))
 
     @property
     def relative_scale(self) -> float:
@@ -167,8 +165,13 @@ class RobustStepModel:
         return max(_MAD_TO_SIGMA * statistics.median(self._residuals), 0.05 * prior)
 
     def predict_s(self, features: StepFeatures) -> float:
-        x = features.vector()
-        return sum(t * v for t, v in zip(self._effective_theta(), x, strict=True)) / 1e3
+        b0, b1, b2, b3 = self._clamped
+        return (
+            b0
+            + b1 * features.tokens / 1e3
+            + b2 * features.sequences / 1e2
+            + b3 * features.attention_pairs / 1e6
+        ) / 1e3
 
     def observe(self, features: StepFeatures, measured_s: float) -> Observation:
         """Learn from one executed step; returns the a-priori prediction and its fate."""
@@ -209,6 +212,7 @@ class RobustStepModel:
         denom = lam + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
         self._theta = [t + g * residual for t, g in zip(self._theta, gain, strict=True)]
+        self._clamped = [max(0.0, t) for t in self._theta]
         # P <- (P - K x^T P) / lam ; x^T P == px^T because P is symmetric.
         new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         trace = sum(new_p[i][i] for i in range(n))
