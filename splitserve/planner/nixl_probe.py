@@ -106,20 +106,19 @@ class NixlBandwidth:
 
 
 def fit_bandwidth(points: list[NixlPoint]) -> tuple[float, float]:
-    """Least squares ``t = a + bytes / B`` over the points; ``(B, a)``. Falls back to the
-    largest point's ``bytes / t`` (``a = 0``) when the fit has no positive slope or intercept."""
-    largest = max(points, key=lambda p: p.bytes)
-    fallback = (largest.bytes / largest.median_s, 0.0)
-    if len(points) < 2:
+    """``t = a + bytes / B`` through the smallest and the largest transfer; ``(B, a)``.
+
+    The slope comes from the two extremes (the middle points carry the same information and,
+    on a shared machine, most of the noise); the fixed cost ``a`` is what the smallest transfer
+    took beyond ``bytes / B``, so ``0 <= a <= t_smallest``. One point, or a largest transfer
+    no slower than the smallest, gives ``B = bytes / t`` of the largest and ``a = 0``."""
+    small = min(points, key=lambda p: p.bytes)
+    large = max(points, key=lambda p: p.bytes)
+    fallback = (large.bytes / large.median_s, 0.0)
+    if large.bytes == small.bytes or large.median_s <= small.median_s:
         return fallback
-    xs, ys = [p.bytes for p in points], [p.median_s for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0
-    intercept = my - slope * mx
-    if slope <= 0 or intercept < 0:
-        return fallback
-    return 1.0 / slope, intercept
+    bandwidth = (large.bytes - small.bytes) / (large.median_s - small.median_s)
+    return bandwidth, max(0.0, small.median_s - small.bytes / bandwidth)
 
 
 def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:

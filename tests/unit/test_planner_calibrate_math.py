@@ -18,11 +18,17 @@ def test_fit_recovers_bandwidth_and_fixed_cost():
     assert fixed == pytest.approx(50e-6)
 
 
-def test_fit_falls_back_to_largest_point_when_noise_bends_the_line():
+def test_fit_uses_the_extremes_and_bounds_the_fixed_cost():
     points = [NixlPoint(1 << 20, 1e-3, 5), NixlPoint(32 << 20, 2e-3, 5)]
-    points.append(NixlPoint(8 << 20, 30e-3, 5))  # slope fits a negative intercept
+    points.append(NixlPoint(8 << 20, 30e-3, 5))  # a noisy middle point is ignored
     bandwidth, fixed = fit_bandwidth(points)
-    assert (bandwidth, fixed) == ((32 << 20) / 2e-3, 0.0)
+    assert bandwidth == pytest.approx((31 << 20) / 1e-3)
+    assert 0 <= fixed <= 1e-3
+    assert fixed + (1 << 20) / bandwidth == pytest.approx(1e-3)
+    # A largest transfer no slower than the smallest: bytes / time of the largest, no fixed cost.
+    flat = [NixlPoint(1 << 20, 2e-3, 5), NixlPoint(32 << 20, 2e-3, 5)]
+    assert fit_bandwidth(flat) == ((32 << 20) / 2e-3, 0.0)
+    assert fit_bandwidth([NixlPoint(1 << 20, 1e-3, 5)]) == ((1 << 20) / 1e-3, 0.0)
 
 
 def test_layer_shape_scales_and_keeps_gqa_and_head_dim():
