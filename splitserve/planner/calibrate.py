@@ -389,15 +389,13 @@ def calibrate_machine(
     handoff_results: Path | None = None,
 ) -> CalibrationResult:
     """Measure layer time, memory bandwidth and NIXL bandwidth; return what to plan with."""
-    from splitserve.planner.nixl_probe import measure_nixl_bandwidth
-
     started = time.monotonic()
-    layer = time_layer(model, tokens or [128, 512], device, budget_s)
+    try:
+        layer = time_layer(model, tokens or [128, 512], device, budget_s)
+    except (RuntimeError, MemoryError) as e:
+        raise CalibrationError(f"layer timing failed on {device}: {e}") from e
     nixl_sizes = nixl_sizes or [1 << 20, 8 << 20, 32 << 20]
-    # Pin the probe's target away from core 0 where this process usually runs.
-    nixl = measure_nixl_bandwidth(
-        nixl_sizes, runs=nixl_runs, cpu_core=_other_core(), memory=layer.device
-    )
+    nixl = _probe_nixl(nixl_sizes, nixl_runs, layer.device)
     acc = Accelerator(
         name=f"measured {layer.device}",
         bf16_flops=layer.flops_per_s,
@@ -418,6 +416,32 @@ def calibrate_machine(
     return CalibrationResult(
         acc, link, weight_bytes, layer, nixl, check, time.monotonic() - started
     )
+
+
+def _probe_nixl(sizes: list[int], runs: int, device: str) -> Any:
+    """The NIXL probe in the device's memory; on a GPU whose VRAM transfer fails, host memory,
+    with the failure kept in the notes. Any other failure is a ``CalibrationError``."""
+    from splitserve.planner.nixl_probe import measure_nixl_bandwidth
+
+    # Pin the probe's target away from core 0, where this process usually runs.
+    core = _other_core()
+    try:
+        return measure_nixl_bandwidth(sizes, runs=runs, cpu_core=core, memory=device)
+    except Exception as e:  # nixl raises its own binding types; all end here, named
+        if device != "cuda":
+            raise CalibrationError(f"NIXL probe failed: {type(e).__name__}: {e}") from e
+        vram_error = f"{type(e).__name__}: {e}"
+        logger.warning("NIXL probe in GPU memory failed (%s); probing host memory", vram_error)
+    try:
+        result = measure_nixl_bandwidth(sizes, runs=runs, cpu_core=core, memory="cpu")
+    except Exception as e:
+        raise CalibrationError(f"NIXL probe failed: {type(e).__name__}: {e}") from e
+    result.notes.append(f"the GPU-memory (VRAM) probe failed ({vram_error}): host memory measured")
+    return result
+
+
+class CalibrationError(RuntimeError):
+    """A measurement failed; the message says which and why."""
 
 
 def _other_core() -> int | None:

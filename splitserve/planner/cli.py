@@ -135,7 +135,7 @@ class _OneLineErrors(click.Command):
 )
 @click.option(
     "--handoff-results",
-    type=click.Path(dir_okay=False),
+    type=click.Path(dir_okay=False, exists=True),
     help="JSON from benchmarks/handoff.py to check the calibrated handoff against.",
 )
 def plan(
@@ -177,17 +177,20 @@ def plan(
         calibration: dict[str, Any] | None = None
         weight_bytes = WEIGHT_DTYPE_BYTES[weight_dtype.lower()]
         if calibrate:
-            from splitserve.planner.calibrate import calibrate_machine
+            from splitserve.planner.calibrate import CalibrationError, calibrate_machine
 
-            result = calibrate_machine(
-                model,
-                kv_dtype=kv_dtype,
-                device=calibrate_device,
-                tokens=_int_list("--calibrate-tokens", calibrate_tokens),
-                budget_s=calibrate_budget_s,
-                nixl_sizes=[n << 20 for n in _int_list("--nixl-sizes-mib", nixl_sizes_mib)],
-                handoff_results=Path(handoff_results) if handoff_results else None,
-            )
+            try:
+                result = calibrate_machine(
+                    model,
+                    kv_dtype=kv_dtype,
+                    device=calibrate_device,
+                    tokens=_int_list("--calibrate-tokens", calibrate_tokens),
+                    budget_s=calibrate_budget_s,
+                    nixl_sizes=[n << 20 for n in _int_list("--nixl-sizes-mib", nixl_sizes_mib)],
+                    handoff_results=Path(handoff_results) if handoff_results else None,
+                )
+            except CalibrationError as e:
+                raise click.ClickException(str(e)) from None
             acc, link, calibration = result.accelerator, result.link, result.to_dict()
             gpus_per_replica, efficiency = 1, 1.0
             weight_bytes = result.weight_bytes

@@ -109,6 +109,10 @@ def test_custom_link_and_config_path(tmp_path):
         (["--model", "Llama-3.1-8B", "--link-gbps", "-3"], "--link-gbps"),
         (["--model", "Llama-3.1-8B", "--kv-dtype", "int3"], "--kv-dtype"),
         (["--model", "Llama-3.1-8B", "--handoff-results", "x.json"], "--handoff-results"),
+        (
+            ["--model", "Llama-3.1-8B", "--calibrate", "--calibrate-tokens", "a,b"],
+            "--calibrate-tokens",
+        ),
         (["--model", "/nowhere/config.json"], "does not exist"),
     ],
 )
@@ -119,6 +123,14 @@ def test_bad_input_is_one_line_naming_it(args, words):
     assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
     assert words in lines[0]
     assert isinstance(result.exception, SystemExit)  # a clean exit, not a traceback
+
+
+def test_handoff_results_without_calibrate_is_refused(tmp_path):
+    bench = tmp_path / "h.json"
+    bench.write_text("{}")
+    result = run("--model", "Llama-3.1-8B", "--handoff-results", str(bench))
+    assert result.exit_code == 1
+    assert "--handoff-results needs --calibrate" in result.output
 
 
 def test_config_missing_field_is_one_line(tmp_path):
