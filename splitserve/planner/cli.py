@@ -218,7 +218,9 @@ def plan(
     if calibration is not None:
         result_plan.calibration = calibration
         result_plan.assumptions.insert(
-            0, "calibrated: hardware and link figures measured on this machine (see Calibration)"
+            0,
+            "calibrated: hardware and link figures measured on this machine (see Calibration); "
+            "--gpu, --link, --link-gbps, --gpus-per-replica and --efficiency are not used",
         )
     click.echo(render_json(result_plan) if as_json else render_text(result_plan))
 

@@ -187,7 +187,8 @@ def size_prefill(ctx: PoolContext) -> PrefillPool:
                 n,
                 ttft,
                 True,
-                f"{n} replicas at {rho:.0%} load meet the TTFT target",
+                f"{n} replica{'s' if n > 1 else ''} at {rho:.0%} load "
+                f"meet{'' if n > 1 else 's'} the TTFT target",
             )
     return PrefillPool(k, it, capacity, None, None, False, "no replica count up to the cap fits")
 
