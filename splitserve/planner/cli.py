@@ -191,7 +191,14 @@ def plan(
                 )
             except CalibrationError as e:
                 raise click.ClickException(str(e)) from None
-            acc, link, calibration = result.accelerator, result.link, result.to_dict()
+            acc, calibration = result.accelerator, result.to_dict()
+            link_given = (
+                link_gbps is not None
+                or click.get_current_context().get_parameter_source("link_name")
+                == click.core.ParameterSource.COMMANDLINE
+            )
+            if not link_given:
+                link = result.link
             gpus_per_replica, efficiency = 1, 1.0
             weight_bytes = result.weight_bytes
         elif handoff_results:
@@ -217,10 +224,12 @@ def plan(
         raise click.ClickException(explain_validation(e)) from None
     if calibration is not None:
         result_plan.calibration = calibration
+        used = "hardware and link figures" if link is result.link else "hardware figures"
         result_plan.assumptions.insert(
             0,
-            "calibrated: hardware and link figures measured on this machine (see Calibration); "
-            "--gpu, --link, --link-gbps, --gpus-per-replica and --efficiency are not used",
+            f"calibrated: {used} measured on this machine (see Calibration); --gpu, "
+            "--gpus-per-replica and --efficiency are not used"
+            + ("" if link is result.link else f"; KV link {link.name} as given"),
         )
     click.echo(render_json(result_plan) if as_json else render_text(result_plan))
 

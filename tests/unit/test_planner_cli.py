@@ -153,3 +153,53 @@ def test_planner_imports_no_engine_and_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == "[]"
+
+
+def _fake_calibration(*_: object, **__: object):
+    """A fake of ``calibrate_machine``'s result, to test how the CLI uses it (the real
+    measurement runs in tests/integration/test_planner_calibrate.py)."""
+    from splitserve.planner.calibrate import CalibrationResult, LayerTiming, TimedShape
+    from splitserve.planner.catalog import Accelerator, Link
+    from splitserve.planner.nixl_probe import NixlBandwidth, NixlPoint
+
+    shape = TimedShape(hidden=256, heads=4, kv_heads=2, head_dim=64, mlp=512, scale=1)
+    layer = LayerTiming(
+        "cpu",
+        "float32",
+        shape,
+        [{"tokens": 64, "measured_s": 0.01, "flops": 1e8, "bytes": 1e6, "predicted_s": 0.01}],
+        1e10,
+        5e9,
+        24e9,
+        ["fake"],
+    )
+    nixl = NixlBandwidth([NixlPoint(1 << 20, 1e-3, 3)], 1e9, 0.0, "fake", ["fake"])
+    return CalibrationResult(
+        Accelerator(name="measured cpu", bf16_flops=1e10, mem_bytes_per_s=5e9, mem_bytes=24e9),
+        Link(name="NIXL measured", bytes_per_s=1e9),
+        4,
+        layer,
+        nixl,
+        None,
+        0.1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "link"),
+    [
+        ([], "NIXL measured"),
+        (["--link", "HDR100"], "HDR100"),
+        (["--link-gbps", "7"], "custom 7 GB/s"),
+    ],
+)
+def test_calibrated_plan_uses_the_measured_link_unless_one_is_given(monkeypatch, extra, link):
+    import splitserve.planner.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate_machine", _fake_calibration)
+    result = run("--model", "splitserve-tiny", "--calibrate", "--json", *extra)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["hardware"]["accelerator"] == "measured cpu"
+    assert data["handoff"]["link"] == link
+    assert data["assumptions"][0].startswith("calibrated:")
