@@ -30,7 +30,9 @@ class _Strict(BaseModel):
 class ModelSettings(_Strict):
     """The served model: a local directory, or a test preset built on first use."""
 
-    path: str | None = Field(None, description="A local model directory (no hub here).")
+    path: str | None = Field(
+        None, description="A local model directory, or a Hugging Face id on a machine with a hub."
+    )
     preset: str | None = Field(None, description=f"A test model preset: {sorted(PRESETS)}.")
     shape: dict[str, int] = Field(
         default_factory=dict, description="Overrides of the preset's shape (ModelSpec fields)."
@@ -76,6 +78,11 @@ class PoolSettings(_Strict):
     cpu_cores: list[int] | None = Field(
         None, description="CPU machines: core (OpenMP bind) of each server, in order."
     )
+    gpus: list[str] | None = Field(
+        None,
+        description="GPU machines: CUDA_VISIBLE_DEVICES of each server, in order (e.g. '0,1' for "
+        "tensor parallel 2).",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments.")
     scheduler: dict[str, Any] | None = Field(
@@ -84,10 +91,12 @@ class PoolSettings(_Strict):
 
     @model_validator(mode="after")
     def _cores(self) -> PoolSettings:
-        if self.cpu_cores is not None and len(self.cpu_cores) != self.count:
-            raise ValueError(
-                f"cpu_cores: {len(self.cpu_cores)} given for {self.count} server(s); give one each"
-            )
+        for key in ("cpu_cores", "gpus"):
+            given = getattr(self, key)
+            if given is not None and len(given) != self.count:
+                raise ValueError(
+                    f"{key}: {len(given)} given for {self.count} server(s); give one each"
+                )
         return self
 
 

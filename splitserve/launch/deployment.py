@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ from splitserve.models import PRESETS, ModelSpec, build_model
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
 
 
@@ -50,7 +52,7 @@ class PlannedServer:
 def model_dir(dep: Deployment) -> Path:
     """Where the model is: the configured path, or the preset built under the run directory."""
     if dep.model.path is not None:
-        return Path(dep.model.path).resolve()
+        return Path(dep.model.path).expanduser().resolve()
     spec = _spec(dep)
     return (dep.resolved_run_dir() / "models" / f"{dep.model.preset}-seed{spec.seed}").resolve()
 
@@ -60,18 +62,21 @@ def _spec(dep: Deployment) -> ModelSpec:
     return ModelSpec(**{**PRESETS[dep.model.preset].model_dump(), **dep.model.shape})
 
 
-def ensure_model(dep: Deployment) -> Path:
-    """Build the preset model unless an identical one is already there."""
+def ensure_model(dep: Deployment) -> str:
+    """The model argument for the engines: a local directory (a preset is built unless an
+    identical one is there), or a hub id passed through on a GPU machine."""
     path = model_dir(dep)
     if dep.model.path is not None:
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path: {path} has no config.json")
-        return path
+        if (path / "config.json").is_file():
+            return str(path)
+        if dep.device == "gpu" and _HUB_ID.match(dep.model.path):
+            return dep.model.path
+        raise FileNotFoundError(f"model.path: {path} has no config.json")
     spec = _spec(dep)
     meta = path / "splitserve-model.json"
     if meta.is_file() and json.loads(meta.read_text()).get("spec") == spec.model_dump():
-        return path
-    return build_model(spec, path)
+        return str(path)
+    return str(build_model(spec, path))
 
 
 def _kv_transfer_config(
@@ -95,15 +100,21 @@ def _kv_transfer_config(
     return cfg, {}
 
 
-def _scheduler_args(pool: PoolSettings) -> tuple[list[str], dict[str, str]]:
+def _scheduler_args(pool: PoolSettings) -> list[str]:
+    """``--scheduler-cls`` and its settings (vLLM's ``--additional-config``), if enabled."""
     if pool.scheduler is None:
-        return [], {}
-    from splitserve.schedulers.vllm import settings_cli_args  # owns the settings delivery
+        return []
+    from splitserve.schedulers.policy import ADDITIONAL_CONFIG_KEY
 
-    return settings_cli_args(pool.scheduler)
+    return [
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+        "--additional-config",
+        json.dumps({ADDITIONAL_CONFIG_KEY: pool.scheduler}),
+    ]
 
 
-def plan_servers(dep: Deployment, model: Path) -> list[PlannedServer]:
+def plan_servers(dep: Deployment, model: str | Path) -> list[PlannedServer]:
     """Resolve every server's ports, flags and environment."""
     planned: list[PlannedServer] = []
     for role in ("prefill", "decode"):
@@ -116,8 +127,9 @@ def plan_servers(dep: Deployment, model: Path) -> list[PlannedServer]:
                 else free_port(HOST)
             )
             kv_cfg, kv_env = _kv_transfer_config(dep, side)
-            sched_args, sched_env = _scheduler_args(pool)
+            sched_args = _scheduler_args(pool)
             core = pool.cpu_cores[i] if pool.cpu_cores is not None else None
+            gpu_env = {"CUDA_VISIBLE_DEVICES": pool.gpus[i]} if pool.gpus is not None else {}
             cmd = engines.vllm_server(
                 str(model),
                 port,
@@ -127,7 +139,7 @@ def plan_servers(dep: Deployment, model: Path) -> list[PlannedServer]:
                 extra_args=[*sched_args, *pool.args],
                 cpu=dep.device == "cpu",
                 cpu_core=core if dep.device == "cpu" else None,
-                env={**kv_env, **sched_env, **pool.env},
+                env={**kv_env, **gpu_env, **pool.env},
             )
             planned.append(PlannedServer(f"{role}-{i}", role, port, side, cmd))
     return planned

@@ -71,7 +71,7 @@ def vllm_server(
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     argv += list(extra_args)
-    full_env = dict(CPU_VLLM_ENV) if cpu else {"HF_HUB_OFFLINE": "1"}
+    full_env = dict(CPU_VLLM_ENV) if cpu else {}
     if cpu and cpu_core is not None:
         full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     full_env.update(env or {})
