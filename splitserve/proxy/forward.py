@@ -239,8 +239,9 @@ class Forwarder:
         return UpstreamError(f"{where}: {type(e).__name__} {e}".rstrip(), pool=b.pool, server=b.url)
 
     async def _bounded(self, aw: Awaitable[Any], seconds: float, deadline: float) -> Any:
+        """``aw`` within ``seconds`` and the request's deadline (no extra task on 3.11+)."""
         loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(aw, max(0.001, min(seconds, deadline - loop.time())))
+        return await _within(aw, min(loop.time() + seconds, deadline))
 
     async def _prefill(
         self, p: Backend, path: str, payload: dict[str, Any], deadline: float
@@ -249,7 +250,7 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         p.outstanding += 1
-        gauge = self.metrics.in_flight.labels(*p.labels)
+        gauge = self.metrics.of(self.metrics.in_flight, *p.labels)
         gauge.inc()
         try:
             try:
@@ -276,7 +277,7 @@ class Forwarder:
                 )
             elapsed = loop.time() - t0
             self.metrics.prefill.observe(elapsed)
-            self.metrics.upstream.labels(*p.labels).observe(elapsed)
+            self.metrics.of(self.metrics.upstream, *p.labels).observe(elapsed)
             return answer
         finally:
             p.outstanding -= 1
@@ -330,16 +331,18 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         d.outstanding += 1
-        gauge = self.metrics.in_flight.labels(*d.labels)
+        gauge = self.metrics.of(self.metrics.in_flight, *d.labels)
         gauge.inc()
         resp: aiohttp.ClientResponse | None = None
-        open_task = asyncio.ensure_future(self._open_decode(d, path, d_body, stream, deadline))
+        opening = self._open_decode(d, path, d_body, stream, deadline)
+        open_task: asyncio.Future[tuple[aiohttp.ClientResponse, bytes]] | None = None
         try:
             # Phase 1: until D's first byte, nothing is committed and P is watched.
             wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
             until = min(deadline, t0 + wait_s)
             if prefill is not None:
                 p, p_task = prefill
+                open_task = asyncio.ensure_future(opening)
                 done, _ = await asyncio.wait(
                     {open_task, p_task},
                     timeout=max(0.001, until - loop.time()),
@@ -353,7 +356,7 @@ class Forwarder:
                         raise exc
                     p_done = loop.time()
             try:
-                resp, first = await asyncio.wait_for(open_task, max(0.001, until - loop.time()))
+                resp, first = await _within(open_task or opening, until)
             except ProxyError:
                 raise
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -373,30 +376,32 @@ class Forwarder:
             if not stream:
                 resp.release()  # read to the end: the connection goes back to the pool
                 resp = None
-                self.metrics.upstream.labels(*d.labels).observe(t_first - t0)
-                self.metrics.ttft.labels(route).observe(t_first - t_start)
+                self.metrics.of(self.metrics.upstream, *d.labels).observe(t_first - t0)
+                self.metrics.of(self.metrics.ttft, route).observe(t_first - t_start)
                 outcome.status = 200
                 return web.Response(body=first, status=200, content_type="application/json")
             out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             try:
                 await out.prepare(request)
                 await out.write(first)
-                self.metrics.ttft.labels(route).observe(loop.time() - t_start)
+                self.metrics.of(self.metrics.ttft, route).observe(loop.time() - t_start)
                 outcome.status = 200
                 if await self._relay(resp, out, d, outcome, deadline):
                     resp.release()
                     resp = None
-                self.metrics.upstream.labels(*d.labels).observe(loop.time() - t0)
+                self.metrics.of(self.metrics.upstream, *d.labels).observe(loop.time() - t0)
                 await out.write_eof()
             except _CLIENT_GONE:
                 outcome.status, outcome.error_kind = 499, "client_disconnected"
                 logger.info("client went away mid-stream; closing %s", d.url)
             return out
         finally:
-            if not open_task.done():
+            if open_task is not None and not open_task.done():
                 open_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await open_task
+            elif open_task is None:
+                opening.close()  # never awaited (P failed first): no warning, nothing to close
             if resp is not None:
                 resp.close()
             d.outstanding -= 1
@@ -436,12 +441,17 @@ class Forwarder:
 
 if sys.version_info >= (3, 11):
 
-    async def _read_until(content: aiohttp.StreamReader, when: float) -> bytes:
+    async def _within(aw: Awaitable[Any], when: float) -> Any:
+        """Await ``aw`` until loop time ``when``; TimeoutError after (no extra task)."""
         async with asyncio.timeout_at(when):
-            return await content.readany()
+            return await aw
 
 else:  # pragma: no cover - Python 3.10
 
-    async def _read_until(content: aiohttp.StreamReader, when: float) -> bytes:
+    async def _within(aw: Awaitable[Any], when: float) -> Any:
         remaining = max(0.0, when - asyncio.get_running_loop().time())
-        return await asyncio.wait_for(content.readany(), remaining)
+        return await asyncio.wait_for(aw, remaining)
+
+
+async def _read_until(content: aiohttp.StreamReader, when: float) -> bytes:
+    return await _within(content.readany(), when)

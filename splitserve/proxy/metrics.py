@@ -7,6 +7,8 @@ Runs in the proxy process. Names start with ``splitserve_proxy_``; ``pool`` is `
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -29,6 +31,7 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "splitserve_proxy_requests", "Client requests by route and final status",
             ["route", "status"], registry=r,
@@ -72,6 +75,14 @@ class ProxyMetrics:
             "splitserve_proxy_handoff_seconds", "P's answer to D's first byte",
             buckets=_BUCKETS, registry=r,
         )  # fmt: skip
+
+    def of(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: the hot path skips prometheus' label checks."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

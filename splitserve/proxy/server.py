@@ -179,10 +179,10 @@ def _generation_handler(
             outcome.status, outcome.error_kind = 499, "client_disconnected"
             raise
         finally:
-            metrics.requests.labels(route, str(outcome.status)).inc()
+            metrics.of(metrics.requests, route, str(outcome.status)).inc()
             if outcome.error_kind is not None:
                 metrics.errors.labels(outcome.error_kind).inc()
-            metrics.latency.labels(route).observe(loop.time() - t0)
+            metrics.of(metrics.latency, route).observe(loop.time() - t0)
 
     return handler
 
@@ -281,7 +281,9 @@ def proxy_state(app: web.Application) -> ProxyState:
 
 async def serve(config: ProxyConfig, started: Callable[[int], None] | None = None) -> None:
     """Run a proxy until cancelled. ``started`` gets the bound port (useful with port 0)."""
-    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        build_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=1024)
@@ -327,7 +329,10 @@ class BackgroundProxy:
 
         async def main() -> None:
             runner = web.AppRunner(
-                build_app(self.config), handler_cancellation=True, access_log=None
+                build_app(self.config),
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=5.0,
             )
             await runner.setup()
             self.app = runner.app

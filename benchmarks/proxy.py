@@ -1,0 +1,255 @@
+"""Proxy overhead: added latency and throughput of the splitserve proxy over a direct connection.
+
+One fast stub OpenAI backend (its own process, aiohttp on uvloop when available) plays both the
+prefill and the decode server, so every contender talks to the same thing on loopback:
+
+- ``direct``: the client posts straight to the stub's decode endpoint (one upstream request);
+- ``splitserve``: ``splitserve proxy`` (its own process) in the vLLM sequential flow: one prefill
+  request, then the decode request, then the relay;
+- vLLM's toy proxy, ``vllm-router`` and ``sglang-router`` join the run when importable /
+  on PATH (none is installed in our environment; the script says so in its output).
+
+Added latency is the contender's latency minus the direct latency at the same percentile and
+concurrency. The load generator is an aiohttp client in this process. On a small machine the
+three processes share the cores, so read ratios within one run, not absolute numbers.
+
+    python benchmarks/proxy.py --requests 2000 --concurrency 1 64 256 --out results/proxy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+from aiohttp import web
+
+# ---------------------------------------------------------------------- the stub backend
+
+STREAM_CHUNKS = 8
+
+
+def stub_app() -> web.Application:
+    answer_p = json.dumps(
+        {
+            "id": "p",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": "stub",
+                "remote_block_ids": [[1]],
+                "remote_host": "127.0.0.1",
+                "remote_port": 1,
+            },
+        }
+    ).encode()
+    answer_d = json.dumps(
+        {
+            "id": "d",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": " tok" * STREAM_CHUNKS, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 8, "completion_tokens": STREAM_CHUNKS, "total_tokens": 16},
+        }
+    ).encode()
+    chunks = [
+        b"data: "
+        + json.dumps({"id": "d", "choices": [{"index": 0, "text": " tok"}]}).encode()
+        + b"\n\n"
+        for _ in range(STREAM_CHUNKS)
+    ]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") or (
+            body.get("max_tokens") == 1 and "bootstrap_room" in body
+        ):
+            return web.Response(body=answer_p, content_type="application/json")
+        if not body.get("stream"):
+            return web.Response(body=answer_d, content_type="application/json")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for c in chunks:
+            await out.write(c)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+def run_stub(port: int) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(
+        stub_app(), host="127.0.0.1", port=port, access_log=None, print=None, shutdown_timeout=1
+    )
+
+
+# ---------------------------------------------------------------------- load generator
+
+BODY = {"model": "tiny", "prompt": "hello " * 32, "max_tokens": STREAM_CHUNKS, "temperature": 0}
+
+
+async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
+    body = {**BODY, "stream": stream}
+    t0 = time.perf_counter()
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {await r.text()}")
+        await r.read()
+    return time.perf_counter() - t0
+
+
+async def load(url: str, stream: bool, concurrency: int, requests: int) -> dict[str, float]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(min(50, requests)):  # warm-up: connections, caches
+            await one(session, url, stream)
+        latencies: list[float] = []
+        todo = iter(range(requests))
+
+        async def worker() -> None:
+            for _ in todo:
+                latencies.append(await one(session, url, stream))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    latencies.sort()
+    q = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {
+        "p50_ms": q[49] * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "mean_ms": statistics.fmean(latencies) * 1e3,
+        "rps": len(latencies) / wall,
+    }
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"{url} not ready after {timeout} s")
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stub is not None:
+        run_stub(args.stub)
+        return
+
+    py = sys.executable
+    stub_port, proxy_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(subprocess.Popen([py, __file__, "--stub", str(stub_port)]))
+        stub = f"http://127.0.0.1:{stub_port}"
+        wait_http(stub + "/health")
+        procs.append(
+            subprocess.Popen(
+                [py, "-m", "splitserve.cli", "proxy", "--prefill", stub, "--decode", stub,
+                 "--port", str(proxy_port)],
+                stdout=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        proxy = f"http://127.0.0.1:{proxy_port}"
+        wait_http(proxy + "/ready")
+        proxy_cpu = psutil.Process(procs[-1].pid)
+        contenders = {"direct": stub, "splitserve": proxy}
+        missing = []
+        for name, exe in (("vllm-router", "vllm-router"), ("sglang-router", "sglang-router")):
+            if shutil.which(exe) is None:
+                missing.append(name)
+        try:
+            import vllm.entrypoints.disagg_proxy  # noqa: F401  (not shipped in the 0.32 wheel)
+        except ImportError:
+            missing.append("vllm toy proxy")
+        results: list[dict[str, Any]] = []
+        for stream in (False, True):
+            for c in args.concurrency:
+                n = max(args.requests, 4 * c)
+                row: dict[str, Any] = {"stream": stream, "concurrency": c}
+                for name, base in contenders.items():
+                    cpu0 = proxy_cpu.cpu_times()
+                    row[name] = asyncio.run(load(base + "/v1/completions", stream, c, n))
+                    cpu1 = proxy_cpu.cpu_times()
+                    if name == "splitserve":  # warm-up requests included: an upper bound
+                        used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+                        row[name]["cpu_us_per_request"] = used / (n + min(50, n)) * 1e6
+                d, s = row["direct"], row["splitserve"]
+                row["added_p50_ms"] = s["p50_ms"] - d["p50_ms"]
+                row["added_p99_ms"] = s["p99_ms"] - d["p99_ms"]
+                row["rps_ratio"] = s["rps"] / d["rps"]
+                results.append(row)
+                print(
+                    f"stream={stream!s:5} c={c:<4} direct p50 {d['p50_ms']:.3f} ms "
+                    f"p99 {d['p99_ms']:.3f} ms {d['rps']:.0f} req/s | splitserve p50 "
+                    f"{s['p50_ms']:.3f} ms p99 {s['p99_ms']:.3f} ms {s['rps']:.0f} req/s "
+                    f"({s['cpu_us_per_request']:.0f} us CPU/request) | added "
+                    f"p50 {row['added_p50_ms']:+.3f} ms p99 {row['added_p99_ms']:+.3f} ms, "
+                    f"throughput x{row['rps_ratio']:.2f}",
+                    flush=True,
+                )
+        if missing:
+            print("not installed here, not measured:", ", ".join(missing))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"results": results, "not_measured": missing}, indent=2))
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()
