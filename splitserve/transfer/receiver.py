@@ -146,7 +146,7 @@ class KVReceiver:
             elif isinstance(event, Inbound):
                 self._on_message(event.peer, event.message)
         now = self.clock()
-        for inc in self._transfers.values():
+        for inc in list(self._transfers.values()):
             if inc.record.state is S.REGISTERED and inc.record.expired(now):
                 inc.record.transition(S.EXPIRED, f"no DONE within {self.done_timeout_s}s")
                 self.stats.done_timeouts += 1

@@ -1,0 +1,363 @@
+"""KVSender / KVReceiver logic against fakes of the NIXL agent and the side channel.
+
+The fakes (``FakeAgent``, ``FakeChannel``) only record what our logic asks of them; the real
+agent and channel are tested between real processes in tests/integration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from splitserve.transfer import messages
+from splitserve.transfer.layout import kv_layout_from_tensors
+from splitserve.transfer.receiver import KVReceiver
+from splitserve.transfer.sender import KVSender, StepUpdate
+from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef
+from splitserve.transfer.state import TransferState
+
+B = 16
+LAYERS = 3
+NUM_BLOCKS = 64
+LAYOUT = kv_layout_from_tensors([torch.zeros(2, NUM_BLOCKS, 1, B, 4)] * LAYERS, NUM_BLOCKS, B)
+PEER = PeerRef(inbound=b"d-1")
+
+
+class FakeHandle:
+    def __init__(self, copies, notif):
+        self.copies, self.notif, self.state = copies, notif, "PROC"
+        self.num_bytes = len(copies)
+        self.peer = "D"
+
+
+class FakeAgent:
+    name = "P"
+    layout = LAYOUT
+
+    def __init__(self):
+        self.posted: list[FakeHandle] = []
+        self.notifs: dict[str, list[bytes]] = {}
+
+    def add_peer(self, metadata, layout):
+        return "D"
+
+    def post(self, op, peer, layers, local, remote, notif=b""):
+        LAYOUT.validate_block_ids(local, "local")
+        LAYOUT.validate_block_ids(remote, "remote")
+        handle = FakeHandle(list(zip(layers, local, remote, strict=True)), notif)
+        self.posted.append(handle)
+        return handle
+
+    def check(self, handle):
+        return handle.state
+
+    def release(self, handle):
+        pass
+
+    def metadata(self):
+        return b"meta"
+
+    def notifications(self):
+        out, self.notifs = self.notifs, {}
+        return out
+
+    _peers = {"D": type("P", (), {"layout": LAYOUT})}
+
+
+class FakeChannel:
+    auth_key = None
+
+    def __init__(self):
+        self.inbox: list = []
+        self.sent: list = []
+
+    def receive(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def send(self, peer, message):
+        self.sent.append((peer, message))
+
+
+def make_sender(lease_s=10.0):
+    clock = itertools.count().__next__  # every call is one second later
+    agent, channel = FakeAgent(), FakeChannel()
+    sender = KVSender(agent, channel, lease_s=lease_s, clock=lambda: float(clock()))
+    channel.inbox.append(
+        Inbound(PEER, messages.Hello(agent_name="D", agent_metadata=b"m", layout={}))
+    )
+    sender._on_hello = lambda peer, hello: sender._peer_agents.__setitem__(peer.inbound, "D")
+    return sender, agent, channel
+
+
+def register(channel, tid, dst, offset=0):
+    reg = messages.Register(transfer_id=tid, agent_name="D", block_ids=[dst], token_offset=offset)
+    channel.inbox.append(Inbound(PEER, reg))
+
+
+def complete_all(agent):
+    for handle in agent.posted:
+        handle.state = "DONE"
+
+
+def run_prefill(sender, tid, p_blocks, chunks, skip_layers=()):
+    for computed in chunks:
+        sender.begin_step([StepUpdate(tid, p_blocks, computed)])
+        for layer in range(LAYERS):
+            if layer not in skip_layers:
+                sender.layer_done(layer)
+        sender.end_step()
+        sender.poll()
+
+
+def copies(agent, with_carrier=False):
+    out = []
+    for handle in agent.posted:
+        if handle.notif and not with_carrier:
+            continue
+        out.extend(handle.copies)
+    return out
+
+
+@pytest.mark.parametrize("registration", ["early", "late", "middle"])
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 33, 100])
+def test_every_needed_block_written_exactly_once(registration, num_tokens):
+    """Any prompt length, chunking, registration time: each (layer, block) once, then DONE."""
+    rng = random.Random(num_tokens)
+    sender, agent, channel = make_sender()
+    tid = "t"
+    n_blocks = math.ceil(num_tokens / B)
+    p_blocks = rng.sample(range(NUM_BLOCKS), n_blocks)
+    needed = math.ceil((num_tokens - 1) / B)  # what a vLLM D asks for
+    dst = rng.sample(range(NUM_BLOCKS), needed)
+    chunks = sorted({min(num_tokens, c) for c in (7, 20, 50, num_tokens)})
+    sender.add_request(tid, num_tokens)
+    if registration == "early":
+        register(channel, tid, dst)
+    run_prefill(sender, tid, p_blocks, chunks[:1])
+    if registration == "middle":
+        register(channel, tid, dst)
+    run_prefill(sender, tid, p_blocks, chunks[1:])
+    sender.finish_request(tid)
+    if registration == "late":
+        register(channel, tid, dst)
+    released = sender.poll()
+    complete_all(agent)
+    released |= sender.poll()  # carrier posted once the data WRITEs are done
+    complete_all(agent)
+    released |= sender.poll()
+    assert released == {tid}
+    expected = sorted(
+        (layer, p_blocks[i], dst[i]) for layer in range(LAYERS) for i in range(needed)
+    )
+    assert sorted(copies(agent)) == expected
+    carriers = [h for h in agent.posted if h.notif]
+    if needed:
+        assert len(carriers) == 1
+        done = messages.decode(carriers[0].notif)
+        assert isinstance(done, messages.Done) and done.num_blocks == needed
+    else:
+        assert not carriers
+
+
+def test_blocks_go_out_only_when_complete_and_per_layer():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 40)
+    register(channel, "t", [5, 6, 7])
+    sender.begin_step([StepUpdate("t", [1, 2, 3], 20)])  # block 0 complete, block 1 partial
+    sender.layer_done(0)
+    assert copies(agent) == [(0, 1, 5)]
+    sender.layer_done(1)
+    sender.layer_done(2)
+    sender.end_step()
+    sender.begin_step([StepUpdate("t", [1, 2, 3], 40)])  # blocks 1 and 2 (partial, last)
+    sender.layer_done(0)
+    assert copies(agent)[-1:] == [(0, 2, 6), (0, 3, 7)][-1:]
+    assert (0, 2, 6) in copies(agent) and (0, 3, 7) in copies(agent)
+
+
+def test_a_layer_the_engine_did_not_report_is_posted_at_step_end():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 32)
+    register(channel, "t", [5, 6])
+    run_prefill(sender, "t", [1, 2], [32], skip_layers=(1,))
+    assert sorted(copies(agent)) == sorted(
+        (layer, p, d) for layer in range(3) for p, d in [(1, 5), (2, 6)]
+    )
+
+
+def test_prefix_hit_on_sender_goes_out_in_the_first_step():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 50)
+    register(channel, "t", [9, 8, 7])
+    # P had 32 tokens cached: the first step computes 32..50, blocks 0-1 were never computed
+    run_prefill(sender, "t", [1, 2, 3, 4], [50])
+    assert sorted(copies(agent)) == sorted(
+        (layer, p, d) for layer in range(3) for p, d in [(1, 9), (2, 8), (3, 7)]
+    )
+
+
+def test_receiver_offset_skips_blocks_it_holds():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 64)
+    register(channel, "t", [9, 8], offset=32)
+    run_prefill(sender, "t", [1, 2, 3, 4], [64])
+    assert sorted(copies(agent)) == sorted(
+        (layer, p, d) for layer in range(3) for p, d in [(3, 9), (4, 8)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("dst", "offset", "why"),
+    [
+        ([1, 2, 3, 4], 0, "asks blocks"),
+        ([1, NUM_BLOCKS], 0, "outside the cache"),
+        ([1, 1], 0, "duplicate"),
+        ([1], 5, "not a multiple"),
+    ],
+)
+def test_invalid_registration_fails_and_aborts_without_writing(dst, offset, why):
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 40)
+    run_prefill(sender, "t", [1, 2, 3], [40])
+    sender.finish_request("t")
+    register(channel, "t", dst, offset)
+    assert sender.poll() == {"t"}
+    assert agent.posted == []
+    aborts = [m for _, m in channel.sent if isinstance(m, messages.Abort)]
+    assert len(aborts) == 1 and why in aborts[0].reason
+
+
+def test_lease_expiry_without_registration():
+    sender, agent, channel = make_sender(lease_s=5)
+    sender.add_request("t", 40)
+    run_prefill(sender, "t", [1, 2, 3], [40])
+    sender.finish_request("t")
+    released = set()
+    for _ in range(10):
+        released |= sender.poll()
+    assert released == {"t"}
+    assert sender.stats.lease_expiries == 1
+
+
+def test_write_failure_fails_the_transfer_and_waits_for_in_flight_writes():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 40)
+    register(channel, "t", [5, 6, 7])
+    run_prefill(sender, "t", [1, 2, 3], [20])
+    agent.posted[0].state = "ERR"
+    run_prefill(sender, "t", [1, 2, 3], [40])
+    sender.finish_request("t")
+    assert sender.state_of("t") is TransferState.FAILED
+    assert sender.poll() == set(), "a WRITE still in flight holds the blocks"
+    complete_all(agent)
+    assert sender.poll() == {"t"}
+    assert any(isinstance(m, messages.Abort) for _, m in channel.sent)
+
+
+def test_receiver_abort_is_acknowledged_after_writes_settle():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 40)
+    register(channel, "t", [5, 6, 7])
+    run_prefill(sender, "t", [1, 2, 3], [20])
+    channel.inbox.append(Inbound(PEER, messages.Abort(transfer_id="t", reason="client left")))
+    sender.poll()
+    assert not any(isinstance(m, messages.AbortAck) for _, m in channel.sent)
+    complete_all(agent)
+    run_prefill(sender, "t", [1, 2, 3], [40])  # engine keeps computing: nothing more is sent
+    assert len(agent.posted) == 3
+    sender.finish_request("t")
+    assert sender.poll() == {"t"}
+    assert any(isinstance(m, messages.AbortAck) for _, m in channel.sent)
+
+
+def test_registration_for_unknown_transfer_is_held_then_refused():
+    sender, agent, channel = make_sender(lease_s=3)
+    register(channel, "ghost", [1])
+    for _ in range(6):
+        sender.poll()
+    aborts = [m for _, m in channel.sent if isinstance(m, messages.Abort)]
+    assert [a.transfer_id for a in aborts] == ["ghost"]
+    assert "unknown transfer id" in aborts[0].reason
+
+
+def test_registration_that_arrives_before_the_request_is_matched():
+    sender, agent, channel = make_sender()
+    register(channel, "t", [5, 6, 7])
+    sender.poll()
+    sender.add_request("t", 40)
+    run_prefill(sender, "t", [1, 2, 3], [40])
+    assert len(copies(agent)) == 9
+
+
+# -- receiver -----------------------------------------------------------------------------------
+
+
+def make_receiver(done_timeout_s=100.0):
+    clock = itertools.count().__next__
+    agent, channel = FakeAgent(), FakeChannel()
+    receiver = KVReceiver(
+        agent,
+        channel,
+        done_timeout_s=done_timeout_s,
+        abort_ack_timeout_s=3,
+        clock=lambda: float(clock()),
+    )
+    return receiver, agent, channel
+
+
+P_ADDR = PeerRef(host="127.0.0.1", port=1)
+
+
+def test_receiver_registers_and_completes_on_done():
+    receiver, agent, channel = make_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4, 5], 0)
+    assert [type(m).__name__ for _, m in channel.sent] == ["Hello", "Register"]
+    channel.inbox.append(Inbound(P_ADDR, messages.HelloAck(agent_name="P")))
+    receiver.poll()
+    done = messages.Done(transfer_id="t", num_blocks=2, prefill_end_wall=0.0)
+    agent.notifs = {"Mallory": [messages.encode(done)]}
+    assert receiver.poll() == {}, "DONE from another agent is ignored"
+    agent.notifs = {"P": [messages.encode(done)]}
+    outcome = receiver.poll()["t"]
+    assert outcome.ok
+
+
+def test_receiver_fails_on_lost_peer_and_on_abort():
+    receiver, agent, channel = make_receiver()
+    receiver.expect("a", "127.0.0.1", 1, [4], 0)
+    receiver.expect("b", "127.0.0.1", 2, [5], 0)
+    channel.inbox.append(PeerLost(P_ADDR))
+    channel.inbox.append(
+        Inbound(PeerRef(host="127.0.0.1", port=2), messages.Abort(transfer_id="b", reason="x"))
+    )
+    settled = receiver.poll()
+    assert not settled["a"].ok and "lost connection" in settled["a"].reason
+    assert not settled["b"].ok and "aborted" in settled["b"].reason
+
+
+def test_receiver_timeout_waits_for_ack_before_settling():
+    receiver, agent, channel = make_receiver(done_timeout_s=2)
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)
+    settled = {}
+    for _ in range(3):
+        settled |= receiver.poll()
+    assert settled == {}, "held until P acknowledges (or the ack timeout)"
+    assert isinstance(channel.sent[-1][1], messages.Abort)
+    channel.inbox.append(Inbound(P_ADDR, messages.AbortAck(transfer_id="t")))
+    outcome = receiver.poll()["t"]
+    assert not outcome.ok and "no DONE" in outcome.reason
+
+
+def test_receiver_local_abort_settles_on_ack_timeout_without_answer():
+    receiver, agent, channel = make_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)
+    receiver.abort("t", "client left")
+    settled = {}
+    for _ in range(6):
+        settled |= receiver.poll()
+    assert not settled["t"].ok and "aborted" in settled["t"].reason
