@@ -369,6 +369,21 @@ async def test_client_disconnect_cancels_both_upstreams(fakes, proxies) -> None:
     )
 
 
+async def test_client_disconnect_during_sequential_prefill_cancels_it(fakes, proxies) -> None:
+    fakes["p1"].mode = "hang"
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"]))
+    proxies.append(proxy)
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(s.post(proxy.url + "/v1/completions", json=COMPLETION))
+        await wait_for(lambda: fakes["p1"].bodies)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await wait_for(lambda: fakes["p1"].cancelled == 1)
+    assert fakes["d1"].bodies == []
+    await wait_for(lambda: 'status="499"' in proxy.state.metrics.render().decode())
+
+
 async def test_client_disconnect_midstream_cancels_decode(fakes, proxies) -> None:
     fakes["d1"].tokens = 1000
     proxy = await start_proxy(pd(fakes, ["p1"], ["d1"]))
