@@ -223,10 +223,19 @@ def build_model(spec: ModelSpec, out_dir: str | os.PathLike[str]) -> Path:
         eos_token_id=eos,
         pad_token_id=pad,
         tie_word_embeddings=False,
+        # Wider than the usual 0.02: logits spread further apart, so greedy choices do not hinge
+        # on rounding (batch shape, kernel order) and every token depends visibly on the context,
+        # which is what a KV-transfer correctness test needs.
+        initializer_range=0.05,
         torch_dtype="bfloat16",
     )
     with torch.no_grad():
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        # Tokens that decode to raw non-ASCII bytes (the byte-level alphabet keeps every input
+        # encodable) and the special tokens get a zero output row: a random model then rarely
+        # emits half a UTF-8 character (demo answers print as text) or an early end of sequence
+        # (outputs run to max_tokens, so tests compare full-length sequences).
+        model.lm_head.weight[_unprintable_ids(out)] = 0
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "splitserve-model.json").write_text(
         json.dumps(
@@ -238,6 +247,18 @@ def build_model(spec: ModelSpec, out_dir: str | os.PathLike[str]) -> Path:
     )
     logger.info("built model %s at %s", spec.model_dump(), out)
     return out
+
+
+def _unprintable_ids(model_dir: Path) -> list[int]:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    ids = []
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if i in tok.all_special_ids or not (text.isascii() and text.isprintable()):
+            ids.append(i)
+    return ids
 
 
 def tree_digest(path: str | os.PathLike[str]) -> str:
