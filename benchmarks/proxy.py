@@ -6,8 +6,10 @@ prefill and the decode server, so every contender talks to the same thing on loo
 - ``direct``: the client posts straight to the stub's decode endpoint (one upstream request);
 - ``splitserve``: ``splitserve proxy`` (its own process) in the vLLM sequential flow: one prefill
   request, then the decode request, then the relay;
-- vLLM's toy proxy, ``vllm-router`` and ``sglang-router`` join the run when importable /
-  on PATH (none is installed in our environment; the script says so in its output).
+- ``bare-aiohttp``: the least a Python/aiohttp proxy can do for the same flow (the floor the
+  runtime sets), so that the cost of our own logic shows;
+- vLLM's toy proxy, ``vllm-router`` and ``sglang-router`` are not installed in our environment:
+  the script detects them and lists them as not measured (running them is left to do).
 
 Added latency is the contender's latency minus the direct latency at the same percentile and
 concurrency. The load generator is an aiohttp client in this process. On a small machine the
@@ -107,6 +109,58 @@ def run_stub(port: int) -> None:
     )
 
 
+# ---------------------------------------------------------------------- the bare floor
+
+
+def run_bare(port: int, upstream: str) -> None:
+    """The least a Python/aiohttp proxy can do for the sequential flow: P, then D, relayed, with
+    no validation, routing, metrics, timeouts or retries. The floor the runtime sets."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    url = upstream + "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        body = await request.json()
+        p_body = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        async with session.post(url, data=json.dumps(p_body).encode(), headers=headers) as r:
+            params = (await r.json())["kv_transfer_params"]
+        d_body = {**body, "kv_transfer_params": params}
+        async with session.post(url, data=json.dumps(d_body).encode(), headers=headers) as r:
+            if not body.get("stream"):
+                return web.Response(body=await r.read(), content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            async for chunk in r.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def session_ctx(app: web.Application):  # type: ignore[no-untyped-def]
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["session"].close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/ready", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, shutdown_timeout=1)
+
+
 # ---------------------------------------------------------------------- load generator
 
 BODY = {"model": "tiny", "prompt": "hello " * 32, "max_tokens": STREAM_CHUNKS, "temperature": 0}
@@ -179,13 +233,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bare", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stub is not None:
         run_stub(args.stub)
         return
+    if args.bare is not None:
+        run_bare(int(args.bare[0]), args.bare[1])
+        return
 
     py = sys.executable
-    stub_port, proxy_port = free_port(), free_port()
+    stub_port, proxy_port, bare_port = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(subprocess.Popen([py, __file__, "--stub", str(stub_port)]))
@@ -201,7 +259,10 @@ def main() -> None:
         proxy = f"http://127.0.0.1:{proxy_port}"
         wait_http(proxy + "/ready")
         proxy_cpu = psutil.Process(procs[-1].pid)
-        contenders = {"direct": stub, "splitserve": proxy}
+        procs.append(subprocess.Popen([py, __file__, "--bare", str(bare_port), stub]))
+        bare = f"http://127.0.0.1:{bare_port}"
+        wait_http(bare + "/ready")
+        contenders = {"direct": stub, "bare-aiohttp": bare, "splitserve": proxy}
         missing = []
         for name, exe in (("vllm-router", "vllm-router"), ("sglang-router", "sglang-router")):
             if shutil.which(exe) is None:
@@ -222,20 +283,24 @@ def main() -> None:
                     if name == "splitserve":  # warm-up requests included: an upper bound
                         used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
                         row[name]["cpu_us_per_request"] = used / (n + min(50, n)) * 1e6
-                d, s = row["direct"], row["splitserve"]
-                row["added_p50_ms"] = s["p50_ms"] - d["p50_ms"]
-                row["added_p99_ms"] = s["p99_ms"] - d["p99_ms"]
-                row["rps_ratio"] = s["rps"] / d["rps"]
-                results.append(row)
-                print(
-                    f"stream={stream!s:5} c={c:<4} direct p50 {d['p50_ms']:.3f} ms "
-                    f"p99 {d['p99_ms']:.3f} ms {d['rps']:.0f} req/s | splitserve p50 "
-                    f"{s['p50_ms']:.3f} ms p99 {s['p99_ms']:.3f} ms {s['rps']:.0f} req/s "
-                    f"({s['cpu_us_per_request']:.0f} us CPU/request) | added "
-                    f"p50 {row['added_p50_ms']:+.3f} ms p99 {row['added_p99_ms']:+.3f} ms, "
-                    f"throughput x{row['rps_ratio']:.2f}",
-                    flush=True,
+                d = row["direct"]
+                parts = [f"stream={stream!s:5} c={c:<4}"]
+                for name in contenders:
+                    r = row[name]
+                    part = f"{name} p50 {r['p50_ms']:.2f} p99 {r['p99_ms']:.2f} ms {r['rps']:.0f}/s"
+                    if name != "direct":
+                        r["added_p50_ms"] = r["p50_ms"] - d["p50_ms"]
+                        r["added_p99_ms"] = r["p99_ms"] - d["p99_ms"]
+                        r["rps_vs_direct"] = r["rps"] / d["rps"]
+                        part += f" (added p50 {r['added_p50_ms']:+.2f} ms)"
+                    parts.append(part)
+                s = row["splitserve"]
+                parts.append(
+                    f"splitserve/bare: rps x{s['rps'] / row['bare-aiohttp']['rps']:.2f}, "
+                    f"{s['cpu_us_per_request']:.0f} us CPU/request"
                 )
+                results.append(row)
+                print(" | ".join(parts), flush=True)
         if missing:
             print("not installed here, not measured:", ", ".join(missing))
         if args.out:
