@@ -49,6 +49,8 @@ from splitserve.proxy.routing import Backend, Pool, prompt_head
 
 logger = logging.getLogger(__name__)
 
+# After D has answered, how long P's own (one-token) answer may still take to arrive.
+_PREFILL_GRACE_S = 10.0
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # What a client write raises when the client has gone away.
 _CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
@@ -181,8 +183,9 @@ class Forwarder:
                 body, ep.host, ep.bootstrap_port, dispatch.new_bootstrap_room()
             )
         p_task = asyncio.ensure_future(self._prefill(p, path, p_body, deadline))
+        served = False
         try:
-            return await self._decode(
+            response = await self._decode(
                 request,
                 route,
                 path,
@@ -195,11 +198,21 @@ class Forwarder:
                 (p, p_task),
                 None,
             )
+            served = True
+            return response
         finally:
-            if not p_task.done():
-                p_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await p_task
+            try:
+                if served and not p_task.done():
+                    # D answered, so P's prefill is over and its answer is on its way: let it
+                    # arrive (cancelling would make P count an aborted transfer), within a bound.
+                    loop = asyncio.get_running_loop()
+                    grace = max(0.0, min(_PREFILL_GRACE_S, deadline - loop.time()))
+                    await asyncio.wait({p_task}, timeout=grace)
+            finally:
+                if not p_task.done():
+                    p_task.cancel()  # D failed, or the client left: P aborts and frees its KV
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await p_task
 
     def _prefill_retry(self, e: ProxyError, p: Backend) -> Exception:
         """P failed before anything reached the client: retry unless it refused the request."""

@@ -241,6 +241,15 @@ async def test_concurrent_flow_sends_transfer_id_to_both(fakes, proxies) -> None
     }
 
 
+async def test_concurrent_flow_lets_a_late_prefill_answer_arrive(fakes, proxies) -> None:
+    fakes["p1"].delay = 0.3  # D's answer comes first; P's must not be cancelled (no abort)
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], flow="concurrent"))
+    proxies.append(proxy)
+    status, _ = await post(proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200
+    assert fakes["p1"].finished == 1 and fakes["p1"].cancelled == 0
+
+
 async def test_sglang_flow_against_fake_standin_checks_bootstrap_fields(fakes, proxies) -> None:
     proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], engine="sglang"))
     proxies.append(proxy)
