@@ -64,10 +64,17 @@ class PrefillEndpoint(_Endpoint):
     bootstrap_port: int | None = Field(
         None, ge=1, le=65535, description="SGLang: P's disaggregation bootstrap port."
     )
+    bootstrap_host: str | None = Field(
+        None, description="SGLang: host D reaches P's bootstrap server at; default the URL's host."
+    )
 
     @property
     def side_host(self) -> str:
         return self.side_channel_host or self.host
+
+    @property
+    def bootstrap_at(self) -> str:
+        return self.bootstrap_host or self.host
 
 
 class DecodeEndpoint(_Endpoint):

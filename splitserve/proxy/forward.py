@@ -180,7 +180,7 @@ class Forwarder:
         else:
             ep = p.settings
             p_body, d_body = dispatch.sglang_requests(
-                body, ep.host, ep.bootstrap_port, dispatch.new_bootstrap_room()
+                body, ep.bootstrap_at, ep.bootstrap_port, dispatch.new_bootstrap_room()
             )
         p_task = asyncio.ensure_future(self._prefill(p, path, p_body, deadline))
         served = False
