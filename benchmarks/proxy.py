@@ -217,6 +217,23 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+class _TreeCpu:
+    """CPU times of a process and its children (the proxy's workers)."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for p in [self.root, *self.root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+
 def free_port() -> int:
     import socket
 
@@ -232,6 +249,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--proxy-workers", type=int, default=1, help="splitserve proxy --workers")
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -252,13 +270,13 @@ def main() -> None:
         procs.append(
             subprocess.Popen(
                 [py, "-m", "splitserve.cli", "proxy", "--prefill", stub, "--decode", stub,
-                 "--port", str(proxy_port)],
+                 "--port", str(proxy_port), "--workers", str(args.proxy_workers)],
                 stdout=subprocess.DEVNULL,
             )
         )  # fmt: skip
         proxy = f"http://127.0.0.1:{proxy_port}"
         wait_http(proxy + "/ready")
-        proxy_cpu = psutil.Process(procs[-1].pid)
+        proxy_cpu = _TreeCpu(procs[-1].pid)
         procs.append(subprocess.Popen([py, __file__, "--bare", str(bare_port), stub]))
         bare = f"http://127.0.0.1:{bare_port}"
         wait_http(bare + "/ready")
@@ -277,11 +295,11 @@ def main() -> None:
                 n = max(args.requests, 4 * c)
                 row: dict[str, Any] = {"stream": stream, "concurrency": c}
                 for name, base in contenders.items():
-                    cpu0 = proxy_cpu.cpu_times()
+                    cpu0 = proxy_cpu.cpu_seconds()
                     row[name] = asyncio.run(load(base + "/v1/completions", stream, c, n))
-                    cpu1 = proxy_cpu.cpu_times()
+                    cpu1 = proxy_cpu.cpu_seconds()
                     if name == "splitserve":  # warm-up requests included: an upper bound
-                        used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+                        used = cpu1 - cpu0
                         row[name]["cpu_us_per_request"] = used / (n + min(50, n)) * 1e6
                 d = row["direct"]
                 parts = [f"stream={stream!s:5} c={c:<4}"]

@@ -86,6 +86,9 @@ def config_from_options(
 @click.option(
     "--api-key", default=None, envvar="SPLITSERVE_PROXY_API_KEY", help="Required client key."
 )
+@click.option(
+    "--workers", type=int, default=None, help="Proxy processes sharing the port (default 1)."
+)
 def proxy(
     config_file: str | None,
     prefill: tuple[str, ...],
@@ -97,15 +100,27 @@ def proxy(
     host: str | None,
     port: int | None,
     api_key: str | None,
+    workers: int | None,
 ) -> None:
     """One OpenAI-compatible endpoint over pools of prefill and decode servers."""
-    overrides = {"engine": engine, "flow": flow, "host": host, "port": port, "api_key": api_key}
+    overrides = {
+        "engine": engine,
+        "flow": flow,
+        "host": host,
+        "port": port,
+        "api_key": api_key,
+        "workers": workers,
+    }
     try:
         config = config_from_options(
             config_file, prefill, decode, side_channel_port, bootstrap_port, overrides
         )
     except ConfigError as e:
         raise click.UsageError(f"invalid proxy settings:\n{e}") from None
+
+    if config.workers > 1:
+        _run_workers(config)
+        return
 
     from splitserve.proxy.server import serve
 
@@ -128,3 +143,25 @@ def proxy(
         logger.info("proxy stopped")
     except OSError as e:
         raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None
+
+
+def _run_workers(config: ProxyConfig) -> None:
+    import threading
+
+    from splitserve.launch.process import http_ok
+    from splitserve.proxy.workers import run_workers
+
+    def announce() -> None:
+        url = f"http://{config.host}:{config.port}"
+        for _ in range(600):
+            if http_ok(url + "/health"):
+                click.echo(
+                    f"splitserve proxy ({config.engine}, {config.flow} flow) on {url}: "
+                    f"{config.workers} workers, {len(config.prefill)} prefill, "
+                    f"{len(config.decode)} decode servers"
+                )
+                return
+            threading.Event().wait(0.1)
+
+    threading.Thread(target=announce, daemon=True).start()
+    run_workers(config, config.workers)

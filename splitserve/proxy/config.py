@@ -136,6 +136,9 @@ class ProxyConfig(_Strict):
     api_key: SecretStr | None = Field(None, description="Clients must send 'Bearer <api_key>'.")
     upstream_api_key: SecretStr | None = Field(None, description="Sent to the engine servers.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    workers: int = Field(
+        1, ge=1, le=256, description="Proxy processes sharing the port (one event loop each)."
+    )
 
     @_model_validator(mode="before")
     @classmethod
@@ -162,6 +165,8 @@ class ProxyConfig(_Strict):
             for i, p in enumerate(self.prefill):
                 if p.bootstrap_port is None:
                     raise ValueError(f"prefill.{i}.bootstrap_port: required by SGLang ({p.url})")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("port: several workers need a fixed port (0 picks one per worker)")
         for pool in ("prefill", "decode"):
             urls = [e.url for e in getattr(self, pool)]
             dup = sorted({u for u in urls if urls.count(u) > 1})

@@ -7,6 +7,7 @@ Runs in the proxy process. Names start with ``splitserve_proxy_``; ``pool`` is `
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import (
@@ -49,11 +50,11 @@ class ProxyMetrics:
         )  # fmt: skip
         self.in_flight = Gauge(
             "splitserve_proxy_in_flight", "Requests in flight per upstream server",
-            ["pool", "server"], registry=r,
+            ["pool", "server"], registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.healthy = Gauge(
             "splitserve_proxy_server_healthy", "1 when the server is in rotation",
-            ["pool", "server"], registry=r,
+            ["pool", "server"], registry=r, multiprocess_mode="livemin",
         )  # fmt: skip
         self.ttft = Histogram(
             "splitserve_proxy_ttft_seconds", "Client request to first byte sent back",
@@ -85,4 +86,12 @@ class ProxyMetrics:
         return child
 
     def render(self) -> bytes:
+        """This proxy's metrics; with several workers (Prometheus multiprocess mode), the
+        aggregate over all of them."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

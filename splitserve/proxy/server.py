@@ -279,14 +279,19 @@ def proxy_state(app: web.Application) -> ProxyState:
     return app[_STATE]
 
 
-async def serve(config: ProxyConfig, started: Callable[[int], None] | None = None) -> None:
-    """Run a proxy until cancelled. ``started`` gets the bound port (useful with port 0)."""
+async def serve(
+    config: ProxyConfig, started: Callable[[int], None] | None = None, reuse_port: bool = False
+) -> None:
+    """Run a proxy until cancelled. ``started`` gets the bound port (useful with port 0);
+    ``reuse_port`` lets several worker processes listen on the same port."""
     runner = web.AppRunner(
         build_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+        site = web.TCPSite(
+            runner, config.host, config.port, backlog=1024, reuse_port=reuse_port or None
+        )
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("splitserve proxy listening on http://%s:%d", config.host, port)

@@ -525,6 +525,52 @@ async def test_unknown_route_is_json_404(fakes, proxies) -> None:
     assert "error" in answer
 
 
+async def test_several_workers_share_the_port_and_aggregate_metrics(fakes) -> None:
+    import sys
+
+    import psutil
+
+    from splitserve.launch.process import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "splitserve.cli", "proxy", "--workers", "2", "--port", str(port)]
+    argv += ["--prefill", fakes["p1"].url, "--decode", fakes["d1"].url]
+    proc = await asyncio.create_subprocess_exec(*argv)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def up() -> bool:
+                try:
+                    async with s.get(url + "/ready") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            end = asyncio.get_running_loop().time() + 60
+            while not await up():
+                assert proc.returncode is None, "proxy exited"
+                assert asyncio.get_running_loop().time() < end, "proxy workers not up"
+                await asyncio.sleep(0.2)
+            workers = psutil.Process(proc.pid).children()
+            assert len([w for w in workers if "spawn" in " ".join(w.cmdline())]) == 2
+            for _ in range(10):
+                # A new session each time: new connections, spread over the workers.
+                async with (
+                    aiohttp.ClientSession() as fresh,
+                    fresh.post(url + "/v1/completions", json=COMPLETION) as r,
+                ):
+                    assert r.status == 200
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+        line = [x for x in text.splitlines() if x.startswith("splitserve_proxy_requests_total{")]
+        assert line and float(line[0].rsplit(" ", 1)[1]) == 10.0, line
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
+    assert psutil.pid_exists(proc.pid) is False or psutil.Process(proc.pid).status() == "zombie"
+
+
 async def wait_for(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     """Bounded wait on a condition (no timing luck: polls until true or fails)."""
     loop = asyncio.get_running_loop()
