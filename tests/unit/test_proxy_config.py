@@ -41,6 +41,8 @@ def test_defaults() -> None:
         ({**BASE, "routing": {"prefill": "random"}}, "routing.prefill"),
         ({**BASE, "decode": [{"url": "http://d:1"}, {"url": "http://d:1"}]}, "duplicate"),
         ({**BASE, "port": 70000}, "port"),
+        ({**BASE, "port": 0, "workers": 2}, "port: several workers"),
+        ({**BASE, "workers": 0}, "workers"),
     ],
 )
 def test_bad_settings_name_the_field(data: dict, fragment: str) -> None:
