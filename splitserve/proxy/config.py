@@ -107,7 +107,7 @@ class RetrySettings(_Strict):
 
 class HealthSettings(_Strict):
     interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0, description="SGLang's /health runs a generation.")
     path: str = "/health"
     failures_to_eject: int = Field(2, ge=1)
     successes_to_readmit: int = Field(1, ge=1)
