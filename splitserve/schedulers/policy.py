@@ -42,11 +42,17 @@ from splitserve.schedulers.step_model import (
 _MAX_PREFILLS_CONSIDERED = 64
 
 
+# Default smallest prefill budget (rounded up to the alignment): prompts keep progressing at a
+# useful rate even when no larger chunk fits the target.
+DEFAULT_MIN_CHUNK_TOKENS = 256
+
+
 class BudgetPolicySettings(BaseModel):
     """Settings of the adaptive chunk-size scheduler (all engines).
 
     ``None`` for ``alignment``, ``min_chunk`` or ``max_chunk`` means "from the engine": its KV
-    block size, one alignment unit, and its start-up ``max_num_batched_tokens``.
+    block size, the smallest multiple of it that is at least ``DEFAULT_MIN_CHUNK_TOKENS`` (but not
+    above ``max_chunk``), and its start-up ``max_num_batched_tokens``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -106,7 +112,13 @@ class BudgetPolicySettings(BaseModel):
                 f"max_chunk ({max_chunk}) exceeds the engine's start-up "
                 f"max_num_batched_tokens ({engine_max_tokens})"
             )
-        min_chunk = self.min_chunk if self.min_chunk is not None else alignment
+        if self.min_chunk is not None:
+            min_chunk = self.min_chunk
+        else:
+            # A one-block chunk (16 tokens on a GPU) would make prompts crawl under decode load,
+            # each step paying the fixed step cost for a handful of tokens.
+            min_chunk = -(-DEFAULT_MIN_CHUNK_TOKENS // alignment) * alignment
+            min_chunk = max(alignment, min(min_chunk, max_chunk - max_chunk % alignment))
         if min_chunk % alignment:
             raise ValueError(
                 f"min_chunk ({min_chunk}) must be a multiple of alignment ({alignment})"

@@ -57,6 +57,9 @@ logger = logging.getLogger("vllm.splitserve.scheduler")
 # Waiting requests looked at when describing pending prefill (the queue can be long; the budget
 # rarely spans more prompts than this).
 _WAITING_LOOKED_AT = 64
+# Steps scheduled but not yet reported back: 1 with the synchronous loop, the batch-queue depth
+# with pipeline parallelism.
+_MAX_IN_FLIGHT = 64
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,10 @@ class AdaptiveChunkScheduler(Scheduler):
         self._exporter.decided(decision, state.num_decodes, state.waiting_prefill_tokens)
         output = super().schedule(*args, **kwargs)
         if output.total_num_scheduled_tokens > 0:
+            if len(self._in_flight) >= _MAX_IN_FLIGHT:
+                # Outputs vLLM never reported back (none are expected): forget the oldest rather
+                # than grow without bound.
+                self._in_flight.pop(next(iter(self._in_flight)))
             self._in_flight[id(output)] = _StepRecord(started, self._executed_features(output))
         return output
 

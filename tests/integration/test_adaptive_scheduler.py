@@ -5,7 +5,7 @@ One real server runs ``--scheduler-cls splitserve.schedulers.vllm.AdaptiveChunkS
 ``PROMETHEUS_MULTIPROC_DIR`` set, so the scheduler's metrics (written in the EngineCore process)
 appear on the API server's ``/metrics``: that is how the test observes the budget, as an operator
 would. Its target is 1 ms, unreachable on any machine, so the budget is exactly the maximum chunk
-on steps without decodes and the minimum chunk (one 128-token block) on steps with decodes:
+on steps without decodes and the minimum chunk (256 tokens, the default) on steps with decodes:
 whether it moved is then a fact of the workload, not of timing. The reference is the shared
 default-scheduler server (key ``unified``).
 """
@@ -160,8 +160,8 @@ def test_greedy_tokens_match_default_and_budget_follows_decodes(adaptive_and_def
         if name == "splitserve_scheduler_prefill_budget_chosen_tokens_bucket"
     }
     steps = buckets["+Inf"]
-    at_most_one_block = buckets["128.0"]
-    assert 0 < at_most_one_block < steps, buckets
+    at_most_min_chunk = buckets["256.0"]
+    assert 0 < at_most_min_chunk < steps, buckets
     # Every step of the short prompts' decoding ran with decodes, hence the minimum.
     assert decisions["min_chunk"] >= MAX_TOKENS - 1
     assert samples[("splitserve_scheduler_step_seconds_count", ())] > 0

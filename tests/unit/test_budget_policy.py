@@ -85,7 +85,11 @@ def assert_near_oracle(policy: BudgetPolicy, state: StepState) -> None:
 
 def test_settings_defaults_resolve_from_engine() -> None:
     bounds = BudgetPolicySettings().resolve(engine_block_size=16, engine_max_tokens=8192)
-    assert (bounds.alignment, bounds.min_chunk, bounds.max_chunk) == (16, 16, 8192)
+    assert (bounds.alignment, bounds.min_chunk, bounds.max_chunk) == (16, 256, 8192)
+    bounds = BudgetPolicySettings().resolve(engine_block_size=96, engine_max_tokens=8192)
+    assert bounds.min_chunk == 288  # rounded up to the alignment
+    bounds = BudgetPolicySettings().resolve(engine_block_size=128, engine_max_tokens=200)
+    assert (bounds.min_chunk, bounds.max_chunk) == (128, 200)  # never above the maximum
 
 
 @pytest.mark.parametrize(
