@@ -1,15 +1,16 @@
 """Proxy overhead: added latency and throughput of the splitserve proxy over a direct connection.
 
-One fast stub OpenAI backend (its own process, aiohttp on uvloop when available) plays both the
-prefill and the decode server, so every contender talks to the same thing on loopback:
+Two fast stub OpenAI backends (aiohttp on uvloop when available; one process plays the prefill
+server, one the decode server) answer instantly, and every contender talks to them on loopback:
 
-- ``direct``: the client posts straight to the stub's decode endpoint (one upstream request);
+- ``direct``: the client posts straight to the decode stub (one upstream request);
 - ``splitserve``: ``splitserve proxy`` (its own process) in the vLLM sequential flow: one prefill
   request, then the decode request, then the relay;
 - ``bare-aiohttp``: the least a Python/aiohttp proxy can do for the same flow (the floor the
   runtime sets), so that the cost of our own logic shows;
-- vLLM's toy proxy, ``vllm-router`` and ``sglang-router`` are not installed in our environment:
-  the script detects them and lists them as not measured (running them is left to do).
+- when ``sglang_router`` is importable (the SGLang test venv): SGLang's Rust router and our proxy
+  with ``--engine sglang`` (the same work: P and D at once, bootstrap fields);
+- ``vllm-router`` and vLLM's toy proxy are not installed here: listed as not measured.
 
 Added latency is the contender's latency minus the direct latency at the same percentile and
 concurrency. The load generator is an aiohttp client in this process. On a small machine the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import shutil
 import statistics
@@ -91,9 +93,16 @@ def stub_app() -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def info(request: web.Request) -> web.Response:  # what SGLang's router asks workers
+        return web.json_response(
+            {"model_path": "tiny", "tokenizer_path": "tiny", "is_generation": True, "dp_size": 1}
+        )
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
+    app.router.add_get("/server_info", info)
+    app.router.add_get("/model_info", info)
     return app
 
 
@@ -112,7 +121,7 @@ def run_stub(port: int) -> None:
 # ---------------------------------------------------------------------- the bare floor
 
 
-def run_bare(port: int, upstream: str) -> None:
+def run_bare(port: int, prefill: str, decode: str) -> None:
     """The least a Python/aiohttp proxy can do for the sequential flow: P, then D, relayed, with
     no validation, routing, metrics, timeouts or retries. The floor the runtime sets."""
     try:
@@ -121,7 +130,7 @@ def run_bare(port: int, upstream: str) -> None:
         uvloop.install()
     except ImportError:
         pass
-    url = upstream + "/v1/completions"
+    p_url, d_url = prefill + "/v1/completions", decode + "/v1/completions"
     headers = {"Content-Type": "application/json"}
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -133,10 +142,10 @@ def run_bare(port: int, upstream: str) -> None:
             "stream": False,
             "kv_transfer_params": {"do_remote_decode": True},
         }
-        async with session.post(url, data=json.dumps(p_body).encode(), headers=headers) as r:
+        async with session.post(p_url, data=json.dumps(p_body).encode(), headers=headers) as r:
             params = (await r.json())["kv_transfer_params"]
         d_body = {**body, "kv_transfer_params": params}
-        async with session.post(url, data=json.dumps(d_body).encode(), headers=headers) as r:
+        async with session.post(d_url, data=json.dumps(d_body).encode(), headers=headers) as r:
             if not body.get("stream"):
                 return web.Response(body=await r.read(), content_type="application/json")
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -234,6 +243,28 @@ class _TreeCpu:
         return total
 
 
+def wait_completion(base: str, timeout: float) -> None:
+    """Until ``base`` answers a completion with 200 (a router that registers workers late)."""
+    import urllib.error
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    data = json.dumps(BODY).encode()
+    while True:
+        req = urllib.request.Request(
+            base + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"{base} answered no completion within {timeout} s")
+        time.sleep(1)
+
+
 def free_port() -> int:
     import socket
 
@@ -251,25 +282,31 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     ap.add_argument("--proxy-workers", type=int, default=1, help="splitserve proxy --workers")
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--bare", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bare", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stub is not None:
         run_stub(args.stub)
         return
     if args.bare is not None:
-        run_bare(int(args.bare[0]), args.bare[1])
+        run_bare(int(args.bare[0]), args.bare[1], args.bare[2])
         return
 
     py = sys.executable
-    stub_port, proxy_port, bare_port = free_port(), free_port(), free_port()
+    p_port, d_port, proxy_port, bare_port, sg_port, sgp_port, sg_metrics = (
+        free_port() for _ in range(7)
+    )
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(subprocess.Popen([py, __file__, "--stub", str(stub_port)]))
-        stub = f"http://127.0.0.1:{stub_port}"
-        wait_http(stub + "/health")
+        # Two stub processes: the prefill and the decode server (SGLang's router refuses one
+        # URL in both roles). `direct` talks to the decode stub.
+        for port in (p_port, d_port):
+            procs.append(subprocess.Popen([py, __file__, "--stub", str(port)]))
+        stub_p, stub_d = (f"http://127.0.0.1:{port}" for port in (p_port, d_port))
+        wait_http(stub_p + "/health")
+        wait_http(stub_d + "/health")
         procs.append(
             subprocess.Popen(
-                [py, "-m", "splitserve.cli", "proxy", "--prefill", stub, "--decode", stub,
+                [py, "-m", "splitserve.cli", "proxy", "--prefill", stub_p, "--decode", stub_d,
                  "--port", str(proxy_port), "--workers", str(args.proxy_workers)],
                 stdout=subprocess.DEVNULL,
             )
@@ -277,14 +314,39 @@ def main() -> None:
         proxy = f"http://127.0.0.1:{proxy_port}"
         wait_http(proxy + "/ready")
         proxy_cpu = _TreeCpu(procs[-1].pid)
-        procs.append(subprocess.Popen([py, __file__, "--bare", str(bare_port), stub]))
+        procs.append(subprocess.Popen([py, __file__, "--bare", str(bare_port), stub_p, stub_d]))
         bare = f"http://127.0.0.1:{bare_port}"
         wait_http(bare + "/ready")
-        contenders = {"direct": stub, "bare-aiohttp": bare, "splitserve": proxy}
+        contenders = {"direct": stub_d, "bare-aiohttp": bare, "splitserve": proxy}
         missing = []
-        for name, exe in (("vllm-router", "vllm-router"), ("sglang-router", "sglang-router")):
-            if shutil.which(exe) is None:
-                missing.append(name)
+        if importlib.util.find_spec("sglang_router") is not None:
+            # SGLang's flow (P and D at once, bootstrap fields): its Rust router against ours.
+            procs.append(
+                subprocess.Popen(
+                    [py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                     "--prefill", stub_p, "8998", "--decode", stub_d,
+                     "--host", "127.0.0.1", "--port", str(sg_port),
+                     "--prometheus-port", str(sg_metrics)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [py, "-m", "splitserve.cli", "proxy", "--engine", "sglang",
+                     "--prefill", stub_p, "--bootstrap-port", "8998", "--decode", stub_d,
+                     "--port", str(sgp_port), "--workers", str(args.proxy_workers)],
+                    stdout=subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+            sg_router = f"http://127.0.0.1:{sg_port}"
+            wait_completion(sg_router, timeout=300)  # it registers its workers after listening
+            wait_http(f"http://127.0.0.1:{sgp_port}/ready")
+            contenders["sglang-router"] = sg_router
+            contenders["splitserve-sglang"] = f"http://127.0.0.1:{sgp_port}"
+        else:
+            missing.append("sglang-router")
+        if shutil.which("vllm-router") is None:
+            missing.append("vllm-router")
         try:
             import vllm.entrypoints.disagg_proxy  # noqa: F401  (not shipped in the 0.32 wheel)
         except ImportError:
@@ -317,6 +379,9 @@ def main() -> None:
                     f"splitserve/bare: rps x{s['rps'] / row['bare-aiohttp']['rps']:.2f}, "
                     f"{s['cpu_us_per_request']:.0f} us CPU/request"
                 )
+                if "sglang-router" in row:
+                    ratio = row["splitserve-sglang"]["rps"] / row["sglang-router"]["rps"]
+                    parts.append(f"splitserve-sglang/sglang-router: rps x{ratio:.2f}")
                 results.append(row)
                 print(" | ".join(parts), flush=True)
         if missing:
