@@ -131,7 +131,7 @@ class KVReceiver:
         self._hold_until_ack(inc, Outcome(False, f"aborted: {reason}"))
 
     def poll(self) -> dict[str, Outcome]:
-        events = self.channel.receive()
+        events = self.channel.receive_connected()
         # Notifications first, and a few extra progress rounds when a peer is gone: a P that
         # wrote DONE and then exited must not read as "lost" because its FIN came first.
         rounds = 3 if any(isinstance(event, PeerLost) for event in events) else 1

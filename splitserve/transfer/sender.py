@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent, TransferPostError, XferHandle
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.side_channel import Inbound, PeerRef, SideChannel
+from splitserve.transfer.side_channel import PeerRef, SideChannel
 from splitserve.transfer.state import Transfer, TransferState
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class SenderStats:
     transfers_failed: int = 0
     transfers_aborted: int = 0
     lease_expiries: int = 0
+    registrations_received: int = 0
     registrations_rejected: int = 0
 
 
@@ -335,13 +336,12 @@ class KVSender:
         self.channel.send(peer, messages.Abort(transfer_id=transfer_id, reason=reason))
 
     def _process_inbox(self) -> None:
-        for event in self.channel.receive():
-            if not isinstance(event, Inbound):
-                continue
+        for event in self.channel.receive_bound():
             message, peer = event.message, event.peer
             if isinstance(message, messages.Hello):
                 self._on_hello(peer, message)
             elif isinstance(message, messages.Register):
+                self.stats.registrations_received += 1
                 self._on_register(peer, message)
             elif isinstance(message, messages.Abort):
                 self._on_abort(peer, message)

@@ -2,9 +2,11 @@
 
 Runs one I/O thread per process that owns every ZMQ socket: a ROUTER bound to the configured
 host and port (peers that contact us) and one DEALER per peer address we contact. Callers in
-other threads ``send`` (queued, then the thread is woken through an inproc socket) and
-``receive`` (drain what arrived). A socket monitor on each DEALER turns the peer's TCP
-disconnect (its process died) into a ``PeerLost`` event within milliseconds.
+other threads ``send`` (queued, then the thread is woken through an inproc socket) and drain
+what arrived per role: ``receive_bound`` (the sender's inbox: HELLO, REGISTER, ABORT from
+receivers) and ``receive_connected`` (the receiver's inbox: answers from senders and
+``PeerLost``). A socket monitor on each DEALER turns the peer's TCP disconnect (its process
+died) into a ``PeerLost`` event within milliseconds.
 
 Why ZMQ and not NIXL notifications for control: measured here (tests/integration/
 test_transfer_two_process.py prints it), a ZMQ round trip on loopback costs tens of
@@ -74,7 +76,11 @@ class SideChannel:
         self.rejected = 0
         self._ctx = zmq.Context()
         self._outbox: collections.deque[tuple[PeerRef, bytes]] = collections.deque()
-        self._inbox: collections.deque[Inbound | PeerLost] = collections.deque()
+        # Two inboxes, one per role: what arrives on the bound ROUTER (peers that contact us:
+        # the sender's side) and what arrives on our DEALERs (answers from peers we contacted,
+        # and their loss: the receiver's side). Each role drains only its own.
+        self._inbox_bound: collections.deque[Inbound] = collections.deque()
+        self._inbox_connected: collections.deque[Inbound | PeerLost] = collections.deque()
         self._wake_lock = threading.Lock()
         self._wake_addr = f"inproc://wake-{id(self)}"
         self._wake_recv = self._ctx.socket(zmq.PULL)
@@ -105,11 +111,19 @@ class SideChannel:
         with self._wake_lock:
             self._wake_send.send(b"", zmq.NOBLOCK)
 
-    def receive(self) -> list[Inbound | PeerLost]:
-        """Everything that arrived since the last call (thread-safe)."""
+    def receive_bound(self) -> list[Inbound]:
+        """Messages from peers that contacted us (on the bound socket) since the last call."""
+        return self._drain(self._inbox_bound)
+
+    def receive_connected(self) -> list[Inbound | PeerLost]:
+        """Answers from peers we contacted, and their loss, since the last call."""
+        return self._drain(self._inbox_connected)
+
+    @staticmethod
+    def _drain(inbox: collections.deque) -> list:
         out = []
-        while self._inbox:
-            out.append(self._inbox.popleft())
+        while inbox:
+            out.append(inbox.popleft())
         return out
 
     def close(self) -> None:
@@ -141,7 +155,8 @@ class SideChannel:
             self.rejected += 1
             logger.warning("side channel: rejected a message from %s: %s", peer, exc)
             return
-        self._inbox.append(Inbound(peer, message))
+        inbox = self._inbox_bound if peer.inbound is not None else self._inbox_connected
+        inbox.append(Inbound(peer, message))
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -207,7 +222,7 @@ class SideChannel:
                             break
                         if event["event"] == zmq.EVENT_DISCONNECTED:
                             logger.warning("side channel: lost connection to %s", peer)
-                            self._inbox.append(PeerLost(peer))
+                            self._inbox_connected.append(PeerLost(peer))
             self._flush_outbox()
         for sock in list(self._dealers.values()) + list(self._monitors):
             sock.close(0)

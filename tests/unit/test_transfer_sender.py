@@ -75,8 +75,14 @@ class FakeChannel:
         self.inbox: list = []
         self.sent: list = []
 
-    def receive(self):
-        out, self.inbox = self.inbox, []
+    def receive_bound(self):
+        out = [e for e in self.inbox if isinstance(e, Inbound) and e.peer.inbound is not None]
+        self.inbox = [e for e in self.inbox if e not in out]
+        return out
+
+    def receive_connected(self):
+        out = [e for e in self.inbox if not (isinstance(e, Inbound) and e.peer.inbound)]
+        self.inbox = [e for e in self.inbox if e not in out]
         return out
 
     def send(self, peer, message):

@@ -1,0 +1,331 @@
+"""Handoff benchmark: TTFT and exposed handoff of a P->D pair, rivals side by side in one run.
+
+Model preset ``bench`` (16 layers, 256 KiB of fp32 KV per token), prompt lengths 512..4096,
+fresh random prompts per request (no prefix-cache hits), greedy, on one machine:
+
+- ``colocated``: a plain request to one server (the splitserve P server, no transfer);
+- ``splitserve-concurrent``: SplitserveConnector, P and D get the request at once, KV streamed
+  per layer and per chunk while P computes;
+- ``splitserve-sequential``: SplitserveConnector behind the stock sequential flow (P first,
+  then D; P writes everything once D registers);
+- ``nixl``: vLLM's stock ``NixlConnector`` (D pulls after P finished), sequential flow;
+- ``nixl-push``: vLLM's ``NixlPushConnector`` when the installed vLLM has it.
+
+Each row is measured on NIXL's default path and, with ``--transports default tcp``, again with
+``UCX_TLS=tcp`` (a slower link). Per request the client records:
+
+- ``ttft_s``: client send -> D's first streamed token (for sequential flows: including P);
+- ``handoff_s``: P's answer received -> D's first token (what the client waits beyond P's
+  prefill; includes D's one-token forward, which no connector can hide);
+- ``exposed_s`` (splitserve only): from P's last layer computed to DONE seen at D, from the
+  connector's own ``vllm:splitserve_exposed_handoff_seconds`` histogram (server timestamps).
+
+Dispatch goes through ``splitserve.proxy.dispatch`` like the proxy. Output: a JSON file, a
+markdown table on stdout and, when matplotlib is importable, a PNG next to the JSON.
+
+    python benchmarks/handoff.py --lengths 512 1024 2048 4096 --repeats 3 \\
+        --transports default tcp --out results/handoff.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from splitserve.launch.group import ServerGroup
+from splitserve.launch.process import free_ports
+from splitserve.models import build_model, resolve_spec
+from splitserve.proxy import dispatch
+
+START_TIMEOUT = 900.0
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def post_json(url: str, body: dict, timeout: float = 600.0) -> tuple[dict, float]:
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        answer = json.loads(response.read())
+    return answer, time.perf_counter()
+
+
+def first_token_time(url: str, body: dict, timeout: float = 600.0) -> float:
+    """Stream ``body`` and return the perf_counter time of the first token's chunk."""
+    body = dict(body, stream=True)
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    first = None
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if first is None and line.startswith("data:") and '"text"' in line:
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"{url}: no token streamed")
+    return first
+
+
+def histogram(url: str, name: str) -> tuple[float, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {}
+    for suffix in ("_sum", "_count"):
+        pattern = rf"^{re.escape(name + suffix)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
+        values[suffix] = sum(float(m) for m in re.findall(pattern, text, flags=re.M))
+    return values["_sum"], values["_count"]
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def splitserve_kv(side_port: int) -> dict:
+    return {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"side_channel_port": side_port, "lease_s": 120},
+    }
+
+
+def nixl_kv(connector: str) -> dict:
+    return {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def start_pair(group: ServerGroup, name: str, model: Path, kind: str, env: dict) -> dict:
+    """P on core 0, D on core 1; returns urls and P's side channel port."""
+    http = free_ports(2)
+    side = free_ports(2)
+    extra = ["--max-model-len", "8192", "--max-num-batched-tokens", "2048"]
+    servers = {}
+    for role, core in (("p", 0), ("d", 1)):
+        server_env = dict(env, VLLM_CPU_KVCACHE_SPACE="4")
+        if kind == "splitserve":
+            kv = splitserve_kv(side[core])
+        else:
+            kv = nixl_kv(kind)
+            server_env.update(
+                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(side[core]),
+            )
+        servers[role] = group.add_vllm(
+            f"{name}-{role}",
+            str(model),
+            port=http[core],
+            served_model_name="bench",
+            kv_transfer_config=kv,
+            extra_args=extra,
+            cpu_core=core,
+            env=server_env,
+        )
+    group.wait(START_TIMEOUT, names=[f"{name}-p", f"{name}-d"])
+    return {"p": servers["p"].url, "d": servers["d"].url, "p_side": side[0]}
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+def request_body(length: int, rng: random.Random) -> dict:
+    prompt = [rng.randrange(5, 1000) for _ in range(length)]
+    return {"model": "bench", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+
+def run_colocated(pair: dict, body: dict) -> dict:
+    start = time.perf_counter()
+    first = first_token_time(pair["p"], body)
+    return {"ttft_s": first - start}
+
+
+def run_concurrent(pair: dict, body: dict) -> dict:
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body, dispatch.new_transfer_id(), "127.0.0.1", pair["p_side"]
+    )
+    before = histogram(pair["d"], "vllm:splitserve_exposed_handoff_seconds")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        p_future = pool.submit(post_json, pair["p"], prefill)
+        d_future = pool.submit(first_token_time, pair["d"], decode)
+        _, p_done = p_future.result()
+        first = d_future.result()
+    after = histogram(pair["d"], "vllm:splitserve_exposed_handoff_seconds")
+    exposed = (after[0] - before[0]) / max(after[1] - before[1], 1)
+    return {"ttft_s": first - start, "handoff_s": first - p_done, "exposed_s": exposed}
+
+
+def run_sequential(pair: dict, body: dict, ours: bool) -> dict:
+    name = "vllm:splitserve_exposed_handoff_seconds"
+    before = histogram(pair["d"], name) if ours else None
+    start = time.perf_counter()
+    p_answer, p_done = post_json(pair["p"], dispatch.vllm_sequential_prefill_request(body))
+    first = first_token_time(pair["d"], dispatch.vllm_sequential_decode_request(body, p_answer))
+    out = {"ttft_s": first - start, "handoff_s": first - p_done}
+    if ours:
+        after = histogram(pair["d"], name)
+        out["exposed_s"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def nixl_push_available() -> bool:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        KVConnectorFactory.get_connector_class_by_name("NixlPushConnector")
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    table: dict[tuple, list[dict]] = {}
+    for row in rows:
+        table.setdefault((row["transport"], row["contender"], row["length"]), []).append(row)
+    out = []
+    for (transport, contender, length), group in sorted(table.items()):
+        entry = {"transport": transport, "contender": contender, "length": length}
+        for key in ("ttft_s", "handoff_s", "exposed_s"):
+            values = [r[key] for r in group if key in r]
+            if values:
+                entry[key] = statistics.median(values)
+        out.append(entry)
+    return out
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = [
+        "| transport | contender | prompt | TTFT ms | P answer -> D 1st token ms | "
+        "exposed (last layer -> DONE) ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in summary:
+
+        def ms(key, e=e):
+            return f"{1e3 * e[key]:.1f}" if key in e else "-"
+
+        lines.append(
+            f"| {e['transport']} | {e['contender']} | {e['length']} | {ms('ttft_s')} | "
+            f"{ms('handoff_s')} | {ms('exposed_s')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    transports = sorted({e["transport"] for e in summary})
+    fig, axes = plt.subplots(1, len(transports), figsize=(6 * len(transports), 4), squeeze=False)
+    for ax, transport in zip(axes[0], transports, strict=True):
+        for contender in sorted({e["contender"] for e in summary}):
+            points = [
+                (e["length"], 1e3 * e["handoff_s"])
+                for e in summary
+                if e["transport"] == transport and e["contender"] == contender and "handoff_s" in e
+            ]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=contender)
+        ax.set_title(f"P answer -> D first token ({transport})")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("ms")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transports", nargs="+", default=["default", "tcp"])
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        default=[
+            "colocated",
+            "splitserve-concurrent",
+            "splitserve-sequential",
+            "nixl",
+            "nixl-push",
+        ],
+    )
+    parser.add_argument("--out", type=Path, default=Path("results/handoff.json"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="splitserve-handoff-"))
+    model = build_model(resolve_spec("bench"), work / "bench")
+    rng = random.Random(args.seed)
+    contenders = list(args.contenders)
+    if "nixl-push" in contenders and not nixl_push_available():
+        print("NixlPushConnector is not in this vLLM: skipped", file=sys.stderr)
+        contenders.remove("nixl-push")
+    rows: list[dict[str, Any]] = []
+    for transport in args.transports:
+        env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
+        kinds = []
+        if {"colocated", "splitserve-concurrent", "splitserve-sequential"} & set(contenders):
+            kinds.append("splitserve")
+        kinds += [k for k in ("nixl", "nixl-push") if k in contenders]
+        for kind in kinds:
+            group = ServerGroup(work / f"logs-{transport}-{kind}")
+            connector = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}.get(kind, kind)
+            try:
+                pair = start_pair(group, f"{kind}-{transport}", model, connector, env)
+                if kind == "splitserve":
+                    runs = {
+                        "colocated": run_colocated,
+                        "splitserve-concurrent": run_concurrent,
+                        "splitserve-sequential": lambda p, b: run_sequential(p, b, True),
+                    }
+                else:
+                    runs = {kind: lambda p, b: run_sequential(p, b, False)}
+                runs = {name: fn for name, fn in runs.items() if name in contenders}
+                run_sequential(pair, request_body(64, rng), kind == "splitserve")  # warm-up
+                for length in args.lengths:
+                    for _ in range(args.repeats):
+                        for name, fn in runs.items():
+                            result = fn(pair, request_body(length, rng))
+                            rows.append(
+                                {"transport": transport, "contender": name, "length": length}
+                                | result
+                            )
+                            print(json.dumps(rows[-1]), flush=True)
+            finally:
+                group.stop()
+    summary = summarize(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/handoff.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.write_text(
+        json.dumps({"command": command, "rows": rows, "summary": summary}, indent=1)
+    )
+    print(markdown(summary))
+    if plot(summary, args.out.with_suffix(".png")):
+        print(f"plot: {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Reading a request's ``kv_transfer_params``: which side of a transfer it is, and where P is.
+
+Pure functions (no vLLM import), used by the scheduler half in the engine-core process. The
+params come from the client (through the proxy), so they are validated here and a malformed
+set is refused with a message that says what is wrong; the request is then served without a
+transfer (D computes it locally), never crashing the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+
+class KVParamsError(ValueError):
+    """``kv_transfer_params`` are malformed."""
+
+
+@dataclass(frozen=True)
+class ReceiveParams:
+    """D side: load this request's prompt KV from P."""
+
+    transfer_id: str
+    remote_host: str
+    remote_port: int
+
+
+@dataclass(frozen=True)
+class ProduceParams:
+    """P side: compute the prompt and hand its KV to a D."""
+
+    transfer_id: str
+
+
+def _transfer_id(params: dict[str, Any], *, required: bool) -> str:
+    tid = params.get("transfer_id")
+    if tid is None and not required:
+        return uuid.uuid4().hex
+    if not isinstance(tid, str) or not tid or len(tid) > 128:
+        raise KVParamsError(f"transfer_id must be a non-empty string of <= 128 chars, got {tid!r}")
+    return tid
+
+
+def receive_params(params: dict[str, Any] | None) -> ReceiveParams | None:
+    """The D-side params of a request (None when it is not a remote prefill)."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if not isinstance(host, str) or not host:
+        raise KVParamsError(f"remote_host must be a non-empty string, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise KVParamsError(f"remote_port must be an int in 1..65535, got {port!r}")
+    return ReceiveParams(_transfer_id(params, required=True), host, port)
+
+
+def produce_params(params: dict[str, Any] | None) -> ProduceParams | None:
+    """The P-side params of a request (None when it is not a remote decode). A request from a
+    stock router carries no transfer id: one is made here and returned to the router."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    return ProduceParams(_transfer_id(params, required=False))
+
+
+def blocks_to_receive(num_prompt_tokens: int, local_tokens: int, block_size: int) -> range:
+    """Logical blocks D loads: all prompt tokens but the last, minus what D already holds.
+
+    ``local_tokens`` (D's own prefix-cache hit) is block aligned.
+    """
+    needed_tokens = max(num_prompt_tokens - 1, 0)
+    return range(local_tokens // block_size, math.ceil(needed_tokens / block_size))

@@ -1,0 +1,241 @@
+"""SplitserveConnector, scheduler half: bookkeeping in vLLM's engine-core process.
+
+No NIXL and no sockets here: this half decides, from each request's ``kv_transfer_params`` and
+the scheduler's state, what the worker half must do, and says it through one
+``SplitserveConnectorMetadata`` per step.
+
+D (``do_remote_prefill``): ``get_num_new_matched_tokens`` answers "all prompt tokens but the
+last, minus my own prefix hit, loaded asynchronously"; ``update_state_after_alloc`` turns the
+allocated blocks into a ``ReceiveStart`` (the worker registers them with P). A request aborted
+while waiting becomes a ``ReceiveAbort``; the engine frees its blocks once the worker reports
+it finished receiving (after P acknowledged).
+
+P (``do_remote_decode``): the request is announced to the worker with ``ProduceStart``; each
+step it is scheduled in adds a ``ProduceStep`` (block table, tokens complete after the step);
+``request_finished`` keeps the blocks (``delay_free``), answers ``kv_transfer_params`` naming
+this server's side channel, and ends with ``ProduceEnd``. The worker reports the request in
+``finished_sending`` when its transfer settled; only then does vLLM free the blocks.
+
+Invariants:
+- ``get_num_new_matched_tokens`` has no side effects (vLLM may call it repeatedly).
+- Every request we asked vLLM to hold blocks for is tracked until the worker releases it, and
+  ``has_pending_push_work`` stays true until then, so the engine keeps stepping.
+- Malformed params never raise into the engine: the request is served locally, with an error
+  log line naming the problem.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from splitserve.connectors.vllm.config import SplitserveConnectorConfig
+from splitserve.connectors.vllm.metadata import (
+    ProduceEnd,
+    ProduceStart,
+    ProduceStep,
+    ReceiveAbort,
+    ReceiveRelease,
+    ReceiveStart,
+    SplitserveConnectorMetadata,
+)
+from splitserve.connectors.vllm.params import (
+    KVParamsError,
+    ReceiveParams,
+    blocks_to_receive,
+    produce_params,
+    receive_params,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class SplitserveScheduler:
+    """The scheduler-side state of one engine (see module docstring)."""
+
+    def __init__(self, config: SplitserveConnectorConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.kv_cache_manager: KVCacheManager | None = None
+        self._meta = SplitserveConnectorMetadata()
+        # D side
+        self._receiving: dict[str, ReceiveParams] = {}  # req_id -> P, while a load is pending
+        self._receive_started: set[str] = set()
+        self._rejected_params: set[str] = set()
+        # P side
+        # req_id -> (transfer_id, request), while the request runs
+        self._producing: dict[str, tuple[str, Request]] = {}
+        self._held: set[str] = set()  # req_ids whose blocks vLLM holds for us
+        self._dropped: set[str] = set()  # preempted producers: their transfer was cancelled
+        self._aborting: set[str] = set()  # D requests aborted while waiting, not yet released
+
+    # -- D side --------------------------------------------------------------------------------
+
+    def _receive_params(self, request: Request) -> ReceiveParams | None:
+        try:
+            return receive_params(request.kv_transfer_params)
+        except KVParamsError as exc:
+            if request.request_id not in self._rejected_params:
+                self._rejected_params.add(request.request_id)
+                logger.error(
+                    "request %s: malformed kv_transfer_params, serving it locally: %s",
+                    request.request_id,
+                    exc,
+                )
+            return None
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if request.request_id in self._receive_started:
+            return 0, False
+        params = self._receive_params(request)
+        if params is None:
+            return 0, False
+        needed = max(request.num_prompt_tokens - 1, 0) - num_computed_tokens
+        return (needed, True) if needed > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        if self._produce_start(request):
+            return
+        if req_id in self._receive_started:
+            return
+        params = self._receive_params(request)
+        if params is None:
+            return
+        self._receive_started.add(req_id)
+        if num_external_tokens <= 0:
+            # Nothing to load (full local hit, or a 1-token prompt): let P free now.
+            self._meta.receive_release.append(
+                ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
+            )
+            return
+        local_tokens = max(request.num_prompt_tokens - 1, 0) - num_external_tokens
+        logical = blocks_to_receive(request.num_prompt_tokens, local_tokens, self.block_size)
+        block_ids = list(blocks.get_block_ids()[0])
+        if local_tokens % self.block_size or len(block_ids) < logical.stop:
+            raise RuntimeError(
+                f"request {req_id}: cannot map {num_external_tokens} external tokens onto "
+                f"{len(block_ids)} blocks from token {local_tokens}"
+            )
+        self._receiving[req_id] = params
+        self._meta.receive_start.append(
+            ReceiveStart(
+                req_id=req_id,
+                transfer_id=params.transfer_id,
+                remote_host=params.remote_host,
+                remote_port=params.remote_port,
+                block_ids=block_ids[logical.start : logical.stop],
+                token_offset=local_tokens,
+            )
+        )
+
+    # -- P side --------------------------------------------------------------------------------
+
+    def _produce_start(self, request: Request) -> bool:
+        """Track a P-side request on its first allocation; True if it is one."""
+        req_id = request.request_id
+        if req_id in self._producing:
+            return True
+        if req_id in self._dropped:
+            return False
+        try:
+            params = produce_params(request.kv_transfer_params)
+        except KVParamsError as exc:
+            logger.error("request %s: malformed kv_transfer_params, no transfer: %s", req_id, exc)
+            return False
+        if params is None:
+            return False
+        self._producing[req_id] = (params.transfer_id, request)
+        self._meta.produce_start.append(
+            ProduceStart(req_id, params.transfer_id, request.num_prompt_tokens)
+        )
+        return True
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> SplitserveConnectorMetadata:
+        meta, self._meta = self._meta, SplitserveConnectorMetadata()
+        preempted = scheduler_output.preempted_req_ids or set()
+        for req_id in list(self._producing):
+            if req_id in preempted:
+                # Its blocks are gone: the transfer cannot be completed from them.
+                tid, _ = self._producing.pop(req_id)
+                self._dropped.add(req_id)
+                meta.produce_end.append(ProduceEnd(req_id, tid, False, "preempted on prefill"))
+        if self._producing and self.kv_cache_manager is not None:
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                entry = self._producing.get(req_id)
+                if entry is None:
+                    continue
+                tid, request = entry
+                meta.produce_steps.append(
+                    ProduceStep(
+                        req_id=req_id,
+                        transfer_id=tid,
+                        block_ids=list(self.kv_cache_manager.get_block_ids(req_id)[0]),
+                        computed_after_step=request.num_computed_tokens + num_tokens,
+                    )
+                )
+        return meta
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        if req_id in self._receive_started:  # D side
+            self._receive_started.discard(req_id)
+            params = self._receiving.pop(req_id, None)
+            if params is not None and request.status == RequestStatus.FINISHED_ABORTED:
+                # Still waiting for P: the worker aborts and reports it finished receiving
+                # once P acknowledged; vLLM holds the blocks until then.
+                self._meta.receive_abort.append(ReceiveAbort(req_id, params.transfer_id))
+                self._aborting.add(req_id)
+            return False, None
+        if req_id not in self._producing:
+            self._dropped.discard(req_id)
+            params = self._receive_params(request)
+            self._rejected_params.discard(req_id)
+            if params is not None:
+                # A D request that ended before it was ever allocated: let P free its blocks.
+                self._meta.receive_release.append(
+                    ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
+                )
+            return False, None
+        tid, _ = self._producing.pop(req_id)
+        self._held.add(req_id)
+        if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            self._meta.produce_end.append(ProduceEnd(req_id, tid, True))
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "transfer_id": tid,
+                "remote_host": self.config.side_channel_host,
+                "remote_port": self.config.side_channel_port,
+            }
+        reason = f"prefill request ended with status {request.status.name}"
+        self._meta.produce_end.append(ProduceEnd(req_id, tid, True, reason))
+        return True, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._held.discard(req_id)
+        for req_id in connector_output.finished_recving or ():
+            self._receiving.pop(req_id, None)
+            self._aborting.discard(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping while blocks wait for the worker: P's held requests, and
+        # D's aborted requests whose blocks vLLM frees only once we report them.
+        return bool(self._held or self._aborting)

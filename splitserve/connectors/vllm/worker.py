@@ -1,0 +1,298 @@
+"""SplitserveConnector, worker half: NIXL, the side channel and the layers, in vLLM's worker.
+
+Owns this worker's ``KVAgent`` (its KV cache registered with NIXL), the ZMQ side channel bound to
+the configured host and port, a ``KVSender`` (this server as P) and a ``KVReceiver`` (this server
+as D): every server is both (``kv_both``). It applies the scheduler half's metadata at the start
+of each step and reports settled transfers back through ``get_transfer_results``.
+
+Per step (vLLM's order): ``bind`` (metadata: starts, ends, block tables) -> forward, with
+``save_kv_layer`` after each attention layer (post that layer's completed blocks) ->
+``wait_for_save`` (close the step) -> ``get_transfer_results`` (poll both halves).
+
+Device paths: on host memory (CPU) a layer's KV is written when its attention op returns, so
+``save_kv_layer`` posts at once. On a GPU the attention kernels are asynchronous: the layer's
+completion is a CUDA event recorded on the current stream, and a sender thread waits for it
+before posting (``_GpuLayerPoster``); ``wait_for_save`` drains that thread before the step ends.
+The GPU path is written against vLLM's API and reviewed, not run (no GPU on our machines).
+
+Invariants:
+- A request id is reported in ``finished_sending`` / ``finished_recving`` exactly once, and
+  only for requests the scheduler half told us about.
+- A failed load is reported in ``failed_recving`` (and ``finished_recving``), so vLLM applies
+  ``kv_load_failure_policy`` and frees or recomputes; nothing waits forever: every transfer
+  has a deadline (lease on P, ``done_timeout_s`` on D).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import queue
+import signal
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from splitserve.connectors.vllm.config import SplitserveConnectorConfig
+from splitserve.connectors.vllm.metadata import SplitserveConnectorMetadata
+from splitserve.connectors.vllm.stats import COUNTERS, HANDOFF, SplitserveKVConnectorStats
+from splitserve.transfer import messages, strategy
+from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.layout import kv_layout_from_tensors
+from splitserve.transfer.receiver import KVReceiver
+from splitserve.transfer.sender import KVSender, StepUpdate
+from splitserve.transfer.side_channel import SideChannel
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class _GpuLayerPoster:
+    """Posts a layer's WRITEs once its CUDA event completed, from one sender thread."""
+
+    def __init__(self, post_layer, lock: threading.Lock) -> None:
+        self._post_layer = post_layer
+        self._lock = lock
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="splitserve-gpu-poster", daemon=True)
+        self._thread.start()
+
+    def submit(self, layer: int) -> None:
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self._queue.put((layer, event))
+
+    def drain(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                layer, event = item
+                event.synchronize()
+                with self._lock:
+                    self._post_layer(layer)
+            finally:
+                self._queue.task_done()
+
+
+class SplitserveWorker:
+    """The worker-side state of one worker process (see module docstring)."""
+
+    def __init__(
+        self, config: SplitserveConnectorConfig, engine_id: str, num_blocks: int, block_size: int
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.agent: KVAgent | None = None
+        self.channel: SideChannel | None = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self._layer_index: dict[str, int] = {}
+        self._lock = threading.Lock()  # sender calls from the GPU poster thread vs this thread
+        self._gpu_poster: _GpuLayerPoster | None = None
+        self._producing: dict[str, str] = {}  # transfer_id -> req_id (P)
+        self._release_reports: dict[str, bool] = {}  # transfer_id -> report finished_sending?
+        self._receiving: dict[str, str] = {}  # transfer_id -> req_id (D)
+        self._stepping = False
+        self._last_counts: dict[str, int] = {}
+        # requests to report at the next poll without a transfer (a reused transfer id)
+        self._immediate_sending: set[str] = set()
+        self._immediate_failures: set[str] = set()
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if os.environ.get("SPLITSERVE_DUMP_STACKS_ON_SIGUSR1"):
+            # Debug aid: `kill -USR1 <worker pid>` writes every thread's stack to stderr.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        names = list(kv_caches)
+        tensors = [kv_caches[name] for name in names]
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        layout = kv_layout_from_tensors(tensors, self.num_blocks, self.block_size)
+        transport = strategy.transport_of()
+        direction = strategy.effective(transport, layout.memory)
+        preferred = strategy.choose(transport, layout.memory)
+        name = f"splitserve-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.agent = KVAgent(name, layout, backend_params=self.config.ucx_backend_params)
+        key = messages.key_bytes(self.config.auth_key)
+        self.channel = SideChannel(
+            self.config.side_channel_host, self.config.side_channel_port, key, name="splitserve-sc"
+        )
+        self.sender = KVSender(self.agent, self.channel, lease_s=self.config.lease_s)
+        self.receiver = KVReceiver(
+            self.agent,
+            self.channel,
+            done_timeout_s=self.config.done_timeout_s,
+            abort_ack_timeout_s=self.config.abort_ack_timeout_s,
+        )
+        if layout.memory == "VRAM":
+            self._gpu_poster = _GpuLayerPoster(self.sender.layer_done, self._lock)
+        logger.info(
+            "SplitserveConnector worker: %d layers, %d blocks of %d tokens (%d bytes/block all "
+            "layers), %s memory, side channel %s:%s, transport %s, direction %s%s",
+            len(names),
+            layout.num_blocks,
+            self.block_size,
+            layout.bytes_per_block_all_layers,
+            layout.memory,
+            self.config.side_channel_host,
+            self.config.side_channel_port,
+            transport,
+            direction.value,
+            "" if direction is preferred else f" ({preferred.value} preferred, not built yet)",
+        )
+
+    # -- per step -----------------------------------------------------------------------------
+
+    def bind(self, meta: SplitserveConnectorMetadata) -> None:
+        sender, receiver = self.sender, self.receiver
+        assert sender is not None and receiver is not None, "register_kv_caches not called"
+        with self._lock:
+            for start in meta.produce_start:
+                if start.transfer_id in self._producing:
+                    # A client reused a transfer id: that request is served without a transfer.
+                    logger.error(
+                        "request %s: transfer id %s already in use by request %s; no transfer",
+                        start.req_id,
+                        start.transfer_id,
+                        self._producing[start.transfer_id],
+                    )
+                    continue
+                self._producing[start.transfer_id] = start.req_id
+                sender.add_request(start.transfer_id, start.num_prompt_tokens)
+            for end in meta.produce_end:
+                if self._producing.get(end.transfer_id) != end.req_id:
+                    if end.holds_blocks:
+                        self._immediate_sending.add(end.req_id)
+                    continue
+                self._release_reports[end.transfer_id] = end.holds_blocks
+                if end.cancel_reason is None:
+                    sender.finish_request(end.transfer_id)
+                else:
+                    sender.cancel(end.transfer_id, end.cancel_reason)
+            for start in meta.receive_start:
+                if start.transfer_id in self._receiving:
+                    logger.error(
+                        "request %s: transfer id %s already awaited by request %s",
+                        start.req_id,
+                        start.transfer_id,
+                        self._receiving[start.transfer_id],
+                    )
+                    self._immediate_failures.add(start.req_id)
+                    continue
+                self._receiving[start.transfer_id] = start.req_id
+                receiver.expect(
+                    start.transfer_id,
+                    start.remote_host,
+                    start.remote_port,
+                    start.block_ids,
+                    start.token_offset,
+                )
+            for release in meta.receive_release:
+                receiver.release_remote(
+                    release.transfer_id, release.remote_host, release.remote_port
+                )
+            for abort in meta.receive_abort:
+                if self._receiving.get(abort.transfer_id) == abort.req_id:
+                    receiver.abort(abort.transfer_id, "request aborted on the decode side")
+            sender.begin_step(
+                StepUpdate(step.transfer_id, step.block_ids, step.computed_after_step)
+                for step in meta.produce_steps
+                if self._producing.get(step.transfer_id) == step.req_id
+            )
+        self._stepping = True
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or self.sender is None:
+            return
+        if self._gpu_poster is not None:
+            self._gpu_poster.submit(layer)
+            return
+        self.sender.layer_done(layer)
+
+    def wait_for_save(self) -> None:
+        if not self._stepping or self.sender is None:
+            return
+        if self._gpu_poster is not None:
+            self._gpu_poster.drain()
+        with self._lock:
+            self.sender.end_step()
+        self._stepping = False
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) request ids."""
+        if self.sender is None or self.receiver is None:
+            return set(), set(), set()
+        if self._stepping:  # a step without wait_for_save (should not happen): close it
+            self.wait_for_save()
+        with self._lock:
+            released = self.sender.poll()
+        sending, self._immediate_sending = self._immediate_sending, set()
+        for tid in released:
+            req_id = self._producing.pop(tid, None)
+            if self._release_reports.pop(tid, False) and req_id is not None:
+                sending.add(req_id)
+        failed, self._immediate_failures = self._immediate_failures, set()
+        recving = set(failed)
+        for tid, outcome in self.receiver.poll().items():
+            req_id = self._receiving.pop(tid, None)
+            if req_id is None:
+                continue
+            recving.add(req_id)
+            if not outcome.ok:
+                failed.add(req_id)
+                logger.error("KV load for request %s failed: %s", req_id, outcome.reason)
+        return sending, recving, failed
+
+    # -- stats and shutdown -------------------------------------------------------------------
+
+    def stats(self) -> SplitserveKVConnectorStats | None:
+        if self.sender is None or self.receiver is None or self.channel is None:
+            return None
+        s, r = self.sender.stats, self.receiver.stats
+        totals: dict[str, Any] = {
+            "bytes_sent": s.bytes_sent,
+            "writes_posted": s.writes_posted,
+            "transfers_completed": s.transfers_completed,
+            "transfers_failed": s.transfers_failed,
+            "transfers_aborted": s.transfers_aborted,
+            "lease_expiries": s.lease_expiries,
+            "registrations_received": s.registrations_received,
+            "registrations_rejected": s.registrations_rejected,
+            "messages_rejected": self.channel.rejected + r.messages_rejected,
+            "loads_completed": r.transfers_completed,
+            "loads_failed": r.transfers_failed,
+            "done_timeouts": r.done_timeouts,
+        }
+        data: dict[str, Any] = {}
+        for name in COUNTERS:
+            data[name] = totals[name] - self._last_counts.get(name, 0)
+            self._last_counts[name] = totals[name]
+        data[HANDOFF] = list(r.handoffs_s)
+        r.handoffs_s.clear()
+        stats = SplitserveKVConnectorStats(data=data)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self._gpu_poster is not None:
+            self._gpu_poster.close()
+        if self.channel is not None:
+            self.channel.close()
+        if self.agent is not None:
+            self.agent.close()

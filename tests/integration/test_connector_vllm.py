@@ -1,0 +1,387 @@
+"""SplitserveConnector between two real vLLM CPU servers: greedy tokens equal a colocated run.
+
+Two servers, both ``kv_both`` with our connector and an auth key, one core each. Either can be
+P or D; a request without ``kv_transfer_params`` makes a server an ordinary colocated server,
+computing with its own KV, and that is the reference. Requests are dispatched through
+``splitserve.proxy.dispatch`` (the proxy's own functions), in both flows.
+
+Block size on CPU is 128; P's token budget is 512 tokens per step, so a 1300-token prompt is
+prefilled in three chunks and streamed chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import zmq
+
+from splitserve.launch.process import free_ports
+from splitserve.proxy import dispatch
+from splitserve.transfer import messages
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128
+BUDGET = 512
+AUTH_KEY = "splitserve-test-key"
+MAX_TOKENS = 6
+_PORTS = free_ports(2)
+SIDE_PORTS = {"ss-a": _PORTS[0], "ss-b": _PORTS[1]}
+
+
+def kv_config(side_port: int) -> dict:
+    return {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "side_channel_port": side_port,
+            "auth_key": AUTH_KEY,
+            "lease_s": 20,
+            "done_timeout_s": 300,  # generous: other work shares these 2 cores
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def pair(servers, tiny_model):
+    """The two connector servers (started together), as {name: (url, side_port)}."""
+    extra = ["--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET)]
+    for core, key in enumerate(SIDE_PORTS):
+        servers.vllm(
+            key,
+            tiny_model,
+            kv_transfer_config=kv_config(SIDE_PORTS[key]),
+            extra_args=extra,
+            cpu_core=core,
+            wait=False,
+        )
+    servers.wait_all(*SIDE_PORTS)
+    return {key: (servers.vllm(key, tiny_model).url, SIDE_PORTS[key]) for key in SIDE_PORTS}
+
+
+# -- HTTP helpers --------------------------------------------------------------------------------
+
+
+def post(url: str, body: dict, timeout: float = 300.0) -> dict:
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+
+
+def body_for(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(length)]
+
+
+def tokens(answer: dict) -> tuple[list[int], list[float]]:
+    assert "choices" in answer, f"no completion: {answer}"
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def reference(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    return tokens(post(url, body_for(prompt)))
+
+
+def concurrent_flow(p, d, prompt) -> dict:
+    (p_url, p_side), (d_url, _) = p, d
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side
+    )
+    with ThreadPoolExecutor(2) as pool:
+        p_answer = pool.submit(post, p_url, prefill)
+        d_answer = pool.submit(post, d_url, decode)
+        assert "choices" in p_answer.result(), p_answer.result()
+        return d_answer.result()
+
+
+def sequential_flow(p, d, prompt) -> dict:
+    (p_url, _), (d_url, _) = p, d
+    body = body_for(prompt)
+    p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body))
+    assert p_answer.get("kv_transfer_params"), p_answer
+    return post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer))
+
+
+FLOWS = {"concurrent": concurrent_flow, "sequential": sequential_flow}
+
+
+def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> None:
+    got_ids, got_lp = tokens(answer)
+    ref_ids, ref_lp = ref
+    assert got_ids == ref_ids, f"{what}: tokens {got_ids} != colocated {ref_ids}"
+    # Greedy tokens of a random model repeat a lot; log-probs catch a wrong KV that happens to
+    # pick the same tokens.
+    for got, want in zip(got_lp, ref_lp, strict=True):
+        assert abs(got - want) < 1e-2, f"{what}: logprobs {got_lp} != colocated {ref_lp}"
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            match = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)", line)
+            if match:
+                total += float(match.group(2))
+    return total
+
+
+def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:
+    end = time.monotonic() + bound
+    usage = None
+    while time.monotonic() < end:
+        usage = metric(url, "vllm:kv_cache_usage_perc")
+        if usage == 0.0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{url}: KV cache usage {usage} did not return to 0 (leak)")
+
+
+def roles(pair, flow: str):
+    """P and D: a -> b for the concurrent flow, b -> a for the sequential one."""
+    a, b = pair["ss-a"], pair["ss-b"]
+    return (a, b) if flow == "concurrent" else (b, a)
+
+
+# -- correctness ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_prompt_lengths(pair, flow):
+    """1, block-1, block, block+1 and a prompt longer than P's token budget (chunked on P)."""
+    p, d = roles(pair, flow)
+    seed = 100 if flow == "concurrent" else 200
+    for i, length in enumerate([1, BLOCK - 1, BLOCK, BLOCK + 1, 1300]):
+        prompt = prompt_of(length, seed + i)
+        answer = FLOWS[flow](p, d, prompt)
+        assert_same(answer, reference(p[0], prompt), f"{flow}, {length} tokens")
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_eight_concurrent_requests(pair, flow):
+    p, d = roles(pair, flow)
+    seed = 300 if flow == "concurrent" else 400
+    lengths = [5, 60, 127, 128, 129, 250, 400, 700]
+    prompts = [prompt_of(n, seed + i) for i, n in enumerate(lengths)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda prompt: FLOWS[flow](p, d, prompt), prompts))
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert_same(answer, reference(p[0], prompt), f"{flow}, {len(prompt)} tokens, 8 at once")
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_prefix_cache_hits(pair, flow):
+    """Same prompt twice (P hit, then D hit too); P alone holds it; D holds a prefix."""
+    p, d = roles(pair, flow)
+    seed = 500 if flow == "concurrent" else 600
+    twice = prompt_of(400, seed)
+    for round_ in range(2):
+        assert_same(FLOWS[flow](p, d, twice), reference(p[0], twice), f"{flow}, round {round_}")
+    p_holds = prompt_of(300, seed + 1)
+    reference(p[0], p_holds)  # now cached on P only: P sends blocks it did not recompute
+    assert_same(FLOWS[flow](p, d, p_holds), reference(p[0], p_holds), f"{flow}, P prefix hit")
+    prefix = prompt_of(2 * BLOCK + 20, seed + 2)
+    reference(d[0], prefix)  # D holds the first two blocks: it registers only the rest
+    full = prefix + prompt_of(200, seed + 3)
+    assert_same(FLOWS[flow](p, d, full), reference(p[0], full), f"{flow}, D prefix hit")
+
+
+# -- bad input and failures ----------------------------------------------------------------------
+
+
+def test_malformed_kv_transfer_params_are_served_locally(pair):
+    (a_url, _), (b_url, _) = pair["ss-a"], pair["ss-b"]
+    prompt = prompt_of(150, 700)
+    ref = reference(a_url, prompt)
+    bad_d = dict(
+        body_for(prompt), kv_transfer_params={"do_remote_prefill": True, "remote_port": "x"}
+    )
+    assert_same(post(b_url, bad_d), ref, "malformed D params")
+    bad_p = dict(body_for(prompt), kv_transfer_params={"do_remote_decode": True, "transfer_id": 7})
+    answer = post(b_url, bad_p)
+    assert_same(answer, ref, "malformed P params")
+    assert not answer.get("kv_transfer_params")
+
+
+def test_forged_and_unannounced_registrations_are_refused(pair):
+    """A REGISTER with a bad HMAC is dropped; a signed one without HELLO gets an ABORT."""
+    a_url, a_side = pair["ss-a"]
+    before = metric(a_url, "vllm:splitserve_messages_rejected_total")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{a_side}")
+    try:
+        reg = messages.Register(
+            transfer_id="forged", agent_name="mallory", block_ids=[[0, 1, 2]], token_offset=0
+        )
+        sock.send(messages.encode(reg, b"wrong-key"))
+        signed = messages.Register(
+            transfer_id="unannounced", agent_name="mallory", block_ids=[[0]], token_offset=0
+        )
+        sock.send(messages.encode(signed, AUTH_KEY.encode()))
+        # An idle engine does not step; the worker reads its side channel when it does. Serve a
+        # request (and check it is right) so that it steps.
+        prompt = prompt_of(200, 800)
+        answer = concurrent_flow(pair["ss-a"], pair["ss-b"], prompt)
+        assert_same(answer, reference(a_url, prompt), "next to forged messages")
+        assert sock.poll(30_000), "no answer to a signed registration without HELLO"
+        answer = messages.decode(sock.recv(), AUTH_KEY.encode())
+        assert isinstance(answer, messages.Abort) and answer.transfer_id == "unannounced"
+        assert "HELLO" in answer.reason
+        assert not sock.poll(500), "the forged registration must get no answer"
+    finally:
+        sock.close()
+        ctx.term()
+    end = time.monotonic() + 30
+    while metric(a_url, "vllm:splitserve_messages_rejected_total") < before + 1:
+        assert time.monotonic() < end, "forged message not counted in the metrics"
+        time.sleep(0.5)
+
+
+def test_abort_on_decode_side_tells_prefill_and_frees(pair):
+    """D waits for a P that never got the request; the client goes away: D aborts (ABORT to P),
+    frees its blocks once P acknowledged or the ack timeout passed, and both keep serving."""
+    (a_url, a_side), (b_url, _) = pair["ss-a"], pair["ss-b"]
+    prompt = prompt_of(300, 900)
+    _, decode = dispatch.vllm_concurrent_requests(
+        dict(body_for(prompt), stream=True), dispatch.new_transfer_id(), "127.0.0.1", a_side
+    )
+    request = urllib.request.Request(
+        b_url + "/v1/completions",
+        data=json.dumps(decode).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    response = urllib.request.urlopen(request, timeout=3)
+    try:
+        with pytest.raises(TimeoutError):  # no token can come: P never got the request
+            response.read()
+    finally:
+        response.close()  # the client goes away: the server aborts the request
+    wait_kv_usage_zero(b_url)
+    wait_kv_usage_zero(a_url)
+    assert_same(
+        concurrent_flow(pair["ss-a"], pair["ss-b"], prompt), reference(a_url, prompt), "after"
+    )
+
+
+def test_no_leak_and_metrics(pair):
+    """After everything above: no blocks held anywhere, transfers counted, none failed."""
+    urls = [pair[key][0] for key in SIDE_PORTS]
+    prompt = prompt_of(300, 950)  # at least one transfer, also when run on its own
+    assert_same(concurrent_flow(pair["ss-a"], pair["ss-b"], prompt), reference(urls[0], prompt), "")
+    for url in urls:
+        wait_kv_usage_zero(url)
+        assert metric(url, "vllm:splitserve_transfers_failed_total") == 0
+    assert sum(metric(url, "vllm:splitserve_transfers_completed_total") for url in urls) > 0
+    assert sum(metric(url, "vllm:splitserve_loads_completed_total") for url in urls) > 0
+    assert sum(metric(url, "vllm:splitserve_exposed_handoff_seconds_count") for url in urls) > 0
+
+
+# -- dead peers (run last: they stop processes) --------------------------------------------------
+
+FAKE_PREFILL = """
+import sys, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.ROUTER)
+sock.bind("tcp://127.0.0.1:" + sys.argv[1])
+while True:
+    frames = sock.recv_multipart()
+    print("got", len(frames[-1]), flush=True)
+"""
+
+
+def test_prefill_killed_before_done_fails_the_decode_request_fast(pair):
+    """P (a real process on the side channel that never writes) dies: D's request ends with
+    an error well within done_timeout_s, D frees its blocks and keeps serving."""
+    import subprocess
+    import sys
+
+    (b_url, _) = pair["ss-b"]
+    port = free_ports(1)[0]
+    fake = subprocess.Popen(
+        [sys.executable, "-c", FAKE_PREFILL, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        prompt = prompt_of(300, 1000)
+        _, decode = dispatch.vllm_concurrent_requests(
+            body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", port
+        )
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, b_url, decode, 120.0)
+            assert fake.stdout.readline().startswith("got")  # HELLO arrived
+            assert fake.stdout.readline().startswith("got")  # REGISTER arrived
+            started = time.monotonic()
+            fake.kill()
+            result = answer.result()
+        assert time.monotonic() - started < 30, "D must notice the lost peer, not time out"
+        assert "choices" not in result or result["choices"][0].get("finish_reason") == "error", (
+            result
+        )
+    finally:
+        fake.kill()
+        fake.wait()
+    wait_kv_usage_zero(b_url)
+    assert_same(
+        concurrent_flow(pair["ss-a"], pair["ss-b"], prompt), reference(b_url, prompt), "after"
+    )
+
+
+def test_decode_killed_mid_transfer_prefill_frees_and_serves(pair, servers, tiny_model):
+    """D registers, then dies while P computes a chunked prompt for it: whatever P had written,
+    P frees the request's blocks within the lease (KV usage back to zero) and keeps serving."""
+    (a_url, _) = pair["ss-a"]
+    victim = servers.vllm(
+        "ss-victim-d",
+        tiny_model,
+        kv_transfer_config=kv_config(free_ports(1)[0]),
+        extra_args=["--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET)],
+        cpu_core=1,
+    )
+    received = metric(a_url, "vllm:splitserve_registrations_received_total")
+    prompt = prompt_of(1300, 1100)  # three chunks on P
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", pair["ss-a"][1]
+    )
+    with ThreadPoolExecutor(2) as pool:
+        pool.submit(post, victim.url, decode, 120.0)
+        p_answer = pool.submit(post, a_url, prefill)
+        # P steps while it computes, then while it holds the blocks: its metrics move.
+        end = time.monotonic() + 120
+        while metric(a_url, "vllm:splitserve_registrations_received_total") <= received:
+            assert time.monotonic() < end, "D's registration never reached P"
+            time.sleep(0.1)
+        victim.process.stop(grace=0)
+        assert "choices" in p_answer.result()
+    wait_kv_usage_zero(a_url, bound=20 + 30)  # the lease, plus slack for a loaded machine
+    other = prompt_of(200, 1200)
+    assert_same(
+        concurrent_flow(pair["ss-a"], pair["ss-b"], other), reference(a_url, other), "after"
+    )
