@@ -99,10 +99,10 @@ class AdaptiveChunkScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         started = time.perf_counter()
-        state = self._step_state()
+        state, decode_tokens = self._step_state()
         decision = self._policy.decide(state)
         self.max_num_scheduled_tokens = min(
-            self._startup_max_tokens, decision.prefill_budget + state.num_decodes
+            self._startup_max_tokens, decision.prefill_budget + decode_tokens
         )
         self._exporter.decided(decision, state.num_decodes, state.waiting_prefill_tokens)
         output = super().schedule(*args, **kwargs)
@@ -126,14 +126,17 @@ class AdaptiveChunkScheduler(Scheduler):
             )
         return result
 
-    def _step_state(self) -> StepState:
-        """Decodes and pending prefill, read from the queues (nothing is changed)."""
+    def _step_state(self) -> tuple[StepState, int]:
+        """Decodes and pending prefill, read from the queues (nothing is changed), and the tokens
+        the decodes need (one each, plus any speculative draft tokens)."""
         decode_contexts: list[int] = []
+        decode_tokens = 0
         prefills: list[PendingPrefill] = []
         for request in self.running:
             remaining = request.num_tokens_with_spec - request.num_computed_tokens
-            if remaining <= 1:
+            if request.num_computed_tokens >= request.num_prompt_tokens:
                 decode_contexts.append(request.num_computed_tokens)
+                decode_tokens += max(1, remaining)
             else:
                 prefills.append(PendingPrefill(remaining, request.num_computed_tokens))
         for index, request in enumerate(self.waiting):
@@ -144,7 +147,7 @@ class AdaptiveChunkScheduler(Scheduler):
             remaining = request.num_tokens - request.num_computed_tokens
             if remaining > 0:
                 prefills.append(PendingPrefill(remaining, request.num_computed_tokens))
-        return StepState(decode_context_lens=decode_contexts, prefills=prefills)
+        return StepState(decode_context_lens=decode_contexts, prefills=prefills), decode_tokens
 
     def _executed_features(self, output: SchedulerOutput) -> StepFeatures:
         """What the scheduled step computes (``num_computed_tokens`` was already advanced)."""
