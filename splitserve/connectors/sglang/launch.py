@@ -35,12 +35,20 @@ def sglang_server(
     served_model_name: str | None = None,
     chunked_prefill_size: int | None = None,
     max_total_tokens: int = 16384,
+    mem_fraction_static: float = 0.8,
     cpu: bool = True,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     python: str | None = None,
 ) -> ServerCommand:
-    """``python -m sglang.launch_server`` for one server (unified, PD prefill or PD decode)."""
+    """``python -m sglang.launch_server`` for one server (unified, PD prefill or PD decode).
+
+    On a CPU, SGLang requires ``--mem-fraction-static`` to exceed the share of host memory that
+    disappeared while it loaded weights (``1 - free_after / free_before``), whoever took it: other
+    servers starting side by side made 0.05 and then 0.3 fail here. ``--max-total-tokens`` is
+    what bounds the KV cache (16384 tokens of the tiny model: 64 MB), so a high fraction costs
+    nothing.
+    """
     argv = [
         python or sys.executable,
         "-m",
@@ -69,7 +77,7 @@ def sglang_server(
             "pytorch",
             "--disable-cuda-graph",
             "--mem-fraction-static",
-            "0.05",
+            str(mem_fraction_static),
         ]
     if chunked_prefill_size is not None:
         argv += ["--chunked-prefill-size", str(chunked_prefill_size)]
@@ -95,14 +103,20 @@ def sglang_router(
     prefill: Sequence[tuple[str, int]],
     decode: Sequence[str],
     *,
+    prometheus_port: int,
     host: str = "127.0.0.1",
     python: str | None = None,
 ) -> ServerCommand:
-    """``python -m sglang_router.launch_router --pd-disaggregation`` over (url, bootstrap) pairs."""
+    """``python -m sglang_router.launch_router --pd-disaggregation`` over (url, bootstrap) pairs.
+
+    ``prometheus_port`` is required: the router otherwise binds a fixed default port for its
+    metrics, so a second router on the machine dies with "Address already in use" (seen here).
+    """
     argv = [python or sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for url, bootstrap in prefill:
         argv += ["--prefill", url, str(bootstrap)]
     for url in decode:
         argv += ["--decode", url]
     argv += ["--host", host, "--port", str(port)]
+    argv += ["--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
     return ServerCommand(argv=argv, env={})
