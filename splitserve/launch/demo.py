@@ -110,7 +110,7 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith("splitserve"):
+            if "splitserve_" in sample.name:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                 out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
