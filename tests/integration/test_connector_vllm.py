@@ -51,19 +51,30 @@ def kv_config(side_port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def pair(servers, tiny_model):
-    """The two connector servers (started together), as {name: (url, side_port)}."""
+    """The two connector servers (started together), as {name: (url, side_port)}.
+
+    Other tests share them by key (tests/integration/test_proxy_splitserve.py); whoever starts
+    them first chooses the ports, so the side port is read back from the server's command line.
+    """
     extra = ["--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET)]
     for core, key in enumerate(SIDE_PORTS):
-        servers.vllm(
-            key,
-            tiny_model,
-            kv_transfer_config=kv_config(SIDE_PORTS[key]),
-            extra_args=extra,
-            cpu_core=core,
-            wait=False,
-        )
+        if key not in servers.group.servers:
+            servers.vllm(
+                key,
+                tiny_model,
+                kv_transfer_config=kv_config(SIDE_PORTS[key]),
+                extra_args=extra,
+                cpu_core=core,
+                wait=False,
+            )
     servers.wait_all(*SIDE_PORTS)
-    return {key: (servers.vllm(key, tiny_model).url, SIDE_PORTS[key]) for key in SIDE_PORTS}
+    out = {}
+    for key in SIDE_PORTS:
+        server = servers.group.servers[key]
+        argv = server.process.argv
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        out[key] = (server.url, int(config["kv_connector_extra_config"]["side_channel_port"]))
+    return out
 
 
 # -- HTTP helpers --------------------------------------------------------------------------------
