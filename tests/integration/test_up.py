@@ -1,0 +1,119 @@
+"""``splitserve up`` for real: the demo deployment comes up, serves through the proxy and stops
+with no process left behind; bad starts fail fast and clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from splitserve.launch.process import ManagedProcess, free_ports, http_ok
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / os.environ.get("SPLITSERVE_TEST_UP_CONFIG", "demo-cpu.yaml")
+
+
+def _config(tmp_path: Path, **changes) -> tuple[Path, dict]:
+    """The demo config with free ports and a private run directory (nothing else changed)."""
+    data = yaml.safe_load(DEMO.read_text())
+    http = free_ports(3)
+    side = free_ports(2)
+    data["prefill"].update(base_port=http[0], side_channel_base_port=side[0])
+    data["decode"].update(base_port=http[1], side_channel_base_port=side[1])
+    data["proxy"]["port"] = http[2]
+    data["run_dir"] = str(tmp_path / "run")
+    for section, values in changes.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, data
+
+
+def _up(tmp_path: Path, config: Path) -> ManagedProcess:
+    return ManagedProcess(
+        "up", [sys.executable, "-m", "splitserve.cli", "up", str(config)], tmp_path / "up.log"
+    ).start()
+
+
+def _descendants(proc: ManagedProcess) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _wait_exit(proc: ManagedProcess, timeout: float) -> int:
+    assert proc.proc is not None
+    return proc.proc.wait(timeout=timeout)
+
+
+def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
+    config, data = _config(tmp_path, model={"preset": None, "path": str(tiny_model)})
+    up = _up(tmp_path, config)
+    proxy = f"http://127.0.0.1:{data['proxy']['port']}"
+    children: list[psutil.Process] = []
+    try:
+        up.wait_ready(lambda: http_ok(proxy + "/ready"), timeout=900, interval=2)
+        body = {
+            "model": data["model"]["served_name"],
+            "prompt": "hello world the quick brown fox",
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        req = urllib.request.Request(
+            proxy + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] > 0
+        children = _descendants(up)
+        assert len(children) >= 3  # two engine servers (plus their workers) and the proxy
+    finally:
+        if up.alive():
+            os.kill(up.pid, signal.SIGTERM)
+    assert _wait_exit(up, timeout=120) == 0, up.tail()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running after up stopped: {[p.pid for p in alive]}"
+    assert "all processes stopped" in up.tail(5)
+
+
+def test_port_taken_fails_fast_and_starts_nothing(tmp_path, tiny_model) -> None:
+    config, data = _config(tmp_path, model={"preset": None, "path": str(tiny_model)})
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", data["proxy"]["port"]))
+        holder.listen()
+        up = _up(tmp_path, config)
+        rc = _wait_exit(up, timeout=120)
+    assert rc == 1
+    assert f"proxy.port: port {data['proxy']['port']}" in up.tail()
+    assert not list((tmp_path / "run").glob("logs/*.log")), "a server was started"
+
+
+def test_server_that_cannot_start_stops_the_rest(tmp_path, tiny_model) -> None:
+    config, data = _config(
+        tmp_path,
+        model={"preset": None, "path": str(tiny_model)},
+        prefill={"args": ["--no-such-engine-flag"]},
+    )
+    up = _up(tmp_path, config)
+    rc = _wait_exit(up, timeout=600)
+    out = up.tail(80)
+    assert rc == 1, out
+    assert "prefill-0: exited with code" in out
+    assert "--no-such-engine-flag" in out  # the failing server's own log lines are shown
+    assert "all processes stopped" in out
