@@ -100,7 +100,12 @@ def splitserve_kv(side_port: int) -> dict:
     return {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"side_channel_port": side_port, "lease_s": 120},
+        # Generous deadlines: a loaded machine must show up as slow, not as failed loads.
+        "kv_connector_extra_config": {
+            "side_channel_port": side_port,
+            "lease_s": 600,
+            "done_timeout_s": 900,
+        },
     }
 
 
