@@ -94,7 +94,9 @@ def test_calibrated_plan_uses_measured_figures(tmp_path):
 
 def test_a_layer_too_big_for_the_budget_is_scaled_down_and_says_so():
     timing = time_layer(get_model("Llama-3.1-70B"), [32], device="cpu", budget_s=1.0)
-    assert timing.shape.scale >= 4  # a full 70B layer holds 3.4 GB of fp32 weights
+    # A full 70B layer holds 3.2 GiB of fp32 weights, over the 1 GiB cap: memory alone forces at
+    # least 2x; how much further the time budget scales it depends on this machine's speed.
+    assert timing.shape.scale >= 2
     assert timing.shape.head_dim == 128
     assert timing.shape.heads // timing.shape.kv_heads == 8  # GQA ratio kept
     assert "scaled down" in timing.notes[0]
