@@ -21,6 +21,10 @@ from splitserve.models import build_model, resolve_spec
 
 # Bound on one server's start-up. Two servers side by side on 2 cores take about 2 minutes.
 SERVER_START_TIMEOUT = float(os.environ.get("SPLITSERVE_TEST_SERVER_TIMEOUT", "420"))
+# Processes kept running at once; the least recently used are stopped first (and restarted if a
+# later test asks for them again). Each CPU vLLM server holds about 2.5 GiB (1 GiB of KV cache),
+# so a whole session's servers would not fit in 24 GiB together.
+MAX_RUNNING_SERVERS = int(os.environ.get("SPLITSERVE_TEST_MAX_SERVERS", "4"))
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +56,9 @@ class ServerPool:
         With ``wait=False`` it returns at once (start several, then ``wait_all``).
         """
         server = self.group.servers.get(key)
-        if server is None:
+        if server is not None:
+            self.group.touch(key)
+        else:
             server = self.group.add_vllm(
                 key,
                 str(model),
@@ -72,7 +78,7 @@ class ServerPool:
 
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
-    group = ServerGroup(tmp_path_factory.mktemp("server-logs"))
+    group = ServerGroup(tmp_path_factory.mktemp("server-logs"), max_running=MAX_RUNNING_SERVERS)
     try:
         yield ServerPool(group)
     finally:

@@ -31,6 +31,7 @@ class Server:
     process: ManagedProcess
     ready_path: str = "/health"
     ready: bool = False
+    last_used: float = 0.0
 
     @property
     def url(self) -> str:
@@ -43,10 +44,33 @@ class Server:
 class ServerGroup:
     """Start servers, wait for all of them with a bound, stop them all."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, max_running: int | None = None) -> None:
+        """``max_running``: when set, adding a server first stops the least recently used ones
+        so that at most this many run (a long test session on a 24 GiB machine cannot keep every
+        engine it ever started)."""
         self.log_dir = Path(log_dir)
         self.servers: dict[str, Server] = {}
+        self.max_running = max_running
         self._lock = threading.Lock()
+
+    def touch(self, name: str) -> Server:
+        """Mark a server as just used (it is the last to be evicted) and return it."""
+        server = self.servers[name]
+        server.last_used = time.monotonic()
+        return server
+
+    def _evict_for_one_more(self) -> None:
+        if self.max_running is None:
+            return
+        with self._lock:
+            by_age = sorted(self.servers.values(), key=lambda s: s.last_used)
+            excess = len(by_age) - self.max_running + 1
+            victims = by_age[: max(0, excess)]
+            for v in victims:
+                del self.servers[v.name]
+        for v in victims:
+            logger.info("stopping %s to make room (max_running=%d)", v.name, self.max_running)
+            v.process.stop()
 
     def add(
         self,
@@ -59,11 +83,14 @@ class ServerGroup:
         ready_path: str = "/health",
     ) -> Server:
         """Start a process now; it is waited for by ``wait``."""
+        if name in self.servers:
+            raise ValueError(f"a server named {name!r} is already in this group")
+        self._evict_for_one_more()
         with self._lock:
             if name in self.servers:
                 raise ValueError(f"a server named {name!r} is already in this group")
             proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=env)
-            server = Server(name, host, port, proc, ready_path)
+            server = Server(name, host, port, proc, ready_path, last_used=time.monotonic())
             self.servers[name] = server
         proc.start()
         return server
@@ -110,6 +137,8 @@ class ServerGroup:
         """
         targets = [self.servers[n] for n in (names or list(self.servers))]
         deadline = time.monotonic() + timeout
+        for s in targets:
+            s.last_used = time.monotonic()
         try:
             for s in targets:
                 if s.ready:

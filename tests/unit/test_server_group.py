@@ -1,0 +1,33 @@
+"""ServerGroup's bound on running processes: least recently used first, whole trees stopped."""
+
+from __future__ import annotations
+
+import sys
+
+from splitserve.launch.group import ServerGroup
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def test_least_recently_used_server_is_stopped_to_make_room(tmp_path) -> None:
+    group = ServerGroup(tmp_path, max_running=2)
+    try:
+        a = group.add("a", SLEEPER, port=1)
+        b = group.add("b", SLEEPER, port=2)
+        group.touch("a")  # a is now more recent than b
+        c = group.add("c", SLEEPER, port=3)
+        assert set(group.servers) == {"a", "c"}
+        assert b.process.proc.wait(timeout=30) is not None  # stopped, not just forgotten
+        assert a.process.alive() and c.process.alive()
+    finally:
+        group.stop()
+    assert not a.process.alive() and not c.process.alive()
+
+
+def test_unbounded_group_keeps_everything(tmp_path) -> None:
+    group = ServerGroup(tmp_path)
+    try:
+        procs = [group.add(n, SLEEPER, port=i) for i, n in enumerate("xyz")]
+        assert all(p.process.alive() for p in procs)
+    finally:
+        group.stop()
