@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,24 @@ class ServerPool:
         self.group.wait(SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False)
 
 
+_GROUPS: list[ServerGroup] = []
+_current_module: list[str] = [""]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A new test module protects nothing of the earlier ones: their servers may be stopped to
+    make room, its own never are while it runs."""
+    module = item.nodeid.split("::")[0]
+    if module != _current_module[0]:
+        _current_module[0] = module
+        for group in _GROUPS:
+            group.protect_since = time.monotonic()
+
+
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
     group = ServerGroup(tmp_path_factory.mktemp("server-logs"), max_running=MAX_RUNNING_SERVERS)
+    _GROUPS.append(group)
     try:
         yield ServerPool(group)
     finally:

@@ -46,11 +46,15 @@ class ServerGroup:
 
     def __init__(self, log_dir: str | Path, max_running: int | None = None) -> None:
         """``max_running``: when set, adding a server first stops the least recently used ones
-        so that at most this many run (a long test session on a 24 GiB machine cannot keep every
-        engine it ever started)."""
+        (among those not used since ``protect_since``) so that at most this many run, as far as
+        that allows (a long test session on a 24 GiB machine cannot keep every engine it ever
+        started)."""
         self.log_dir = Path(log_dir)
         self.servers: dict[str, Server] = {}
         self.max_running = max_running
+        # Servers used at or after this moment are never evicted (a test module sets it when it
+        # starts, so that only servers of earlier modules make room).
+        self.protect_since = 0.0
         self._lock = threading.Lock()
 
     def touch(self, name: str) -> Server:
@@ -63,9 +67,12 @@ class ServerGroup:
         if self.max_running is None:
             return
         with self._lock:
-            by_age = sorted(self.servers.values(), key=lambda s: s.last_used)
-            excess = len(by_age) - self.max_running + 1
-            victims = by_age[: max(0, excess)]
+            excess = len(self.servers) - self.max_running + 1
+            evictable = sorted(
+                (s for s in self.servers.values() if s.last_used < self.protect_since),
+                key=lambda s: s.last_used,
+            )
+            victims = evictable[: max(0, excess)]
             for v in victims:
                 del self.servers[v.name]
         for v in victims:

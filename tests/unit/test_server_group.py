@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from splitserve.launch.group import ServerGroup
 
@@ -15,6 +16,7 @@ def test_least_recently_used_server_is_stopped_to_make_room(tmp_path) -> None:
         a = group.add("a", SLEEPER, port=1)
         b = group.add("b", SLEEPER, port=2)
         group.touch("a")  # a is now more recent than b
+        group.protect_since = time.monotonic()  # a new test module: a and b may make room
         c = group.add("c", SLEEPER, port=3)
         assert set(group.servers) == {"a", "c"}
         assert b.process.proc.wait(timeout=30) is not None  # stopped, not just forgotten
@@ -22,6 +24,18 @@ def test_least_recently_used_server_is_stopped_to_make_room(tmp_path) -> None:
     finally:
         group.stop()
     assert not a.process.alive() and not c.process.alive()
+
+
+def test_servers_of_the_running_module_are_never_stopped(tmp_path) -> None:
+    group = ServerGroup(tmp_path, max_running=1)
+    try:
+        group.protect_since = time.monotonic()
+        a = group.add("a", SLEEPER, port=1)
+        b = group.add("b", SLEEPER, port=2)  # over the bound, but a belongs to this module
+        assert set(group.servers) == {"a", "b"}
+        assert a.process.alive() and b.process.alive()
+    finally:
+        group.stop()
 
 
 def test_unbounded_group_keeps_everything(tmp_path) -> None:
