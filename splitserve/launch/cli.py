@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 import click
 
@@ -22,6 +24,29 @@ from splitserve.launch.deployment import (
 from splitserve.launch.process import ProcessStartError
 
 
+def _load(config: str):
+    try:
+        return load_deployment(config)
+    except DeploymentError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _run(runner: DeploymentRunner, body: Callable[[], int], interrupted_rc: int) -> NoReturn:
+    """Run ``body`` with signals handled and everything stopped at the end; exit with its code
+    (1 on a start-up failure, ``interrupted_rc`` on Ctrl-C / SIGTERM)."""
+    runner.install_signal_handlers()
+    rc = 1
+    try:
+        rc = body()
+    except (ProcessStartError, PortInUseError, FileNotFoundError) as e:
+        click.echo(f"start-up failed: {e}", err=True)
+    except KeyboardInterrupt:
+        rc = interrupted_rc
+    finally:
+        runner.stop()
+    sys.exit(rc)
+
+
 @click.command("up")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option(
@@ -31,10 +56,7 @@ from splitserve.launch.process import ProcessStartError
 )
 def up(config: str, print_commands: bool) -> None:
     """Start the prefill and decode servers and the proxy described by CONFIG."""
-    try:
-        dep = load_deployment(config)
-    except DeploymentError as e:
-        raise click.UsageError(str(e)) from None
+    dep = _load(config)
     runner = DeploymentRunner(dep, echo=click.echo)
     if print_commands:
         for s in plan_servers(dep, ensure_model(dep)):
@@ -42,20 +64,14 @@ def up(config: str, print_commands: bool) -> None:
             args = shlex.join(s.command.argv)
             click.echo(f"# {s.name}\n{env} {args}\n")
         return
-    runner.install_signal_handlers()
-    rc = 1
-    try:
+
+    def serve() -> int:
         runner.start()
         click.echo(f"\nsplitserve is serving at {runner.url} (Ctrl-C to stop). Try:\n")
         click.echo(f"  {runner.example_request()}\n")
-        rc = runner.supervise()
-    except (ProcessStartError, PortInUseError, FileNotFoundError) as e:
-        click.echo(f"start-up failed: {e}", err=True)
-    except KeyboardInterrupt:
-        rc = 0
-    finally:
-        runner.stop()
-    sys.exit(rc)
+        return runner.supervise()
+
+    _run(runner, serve, interrupted_rc=0)
 
 
 @click.command("demo")
@@ -71,20 +87,10 @@ def demo(config_file: str) -> None:
     TTFT and KV handoff figures, and shut down."""
     from splitserve.launch.demo import run_demo
 
-    try:
-        dep = load_deployment(config_file)
-    except DeploymentError as e:
-        raise click.UsageError(str(e)) from None
-    runner = DeploymentRunner(dep, echo=click.echo)
-    runner.install_signal_handlers()
-    rc = 1
-    try:
+    runner = DeploymentRunner(_load(config_file), echo=click.echo)
+
+    def show() -> int:
         run_demo(runner, click.echo)
-        rc = 0
-    except (ProcessStartError, PortInUseError, FileNotFoundError) as e:
-        click.echo(f"start-up failed: {e}", err=True)
-    except KeyboardInterrupt:
-        rc = 130
-    finally:
-        runner.stop()
-    sys.exit(rc)
+        return 0
+
+    _run(runner, show, interrupted_rc=130)
