@@ -68,13 +68,22 @@ def _prefill_only(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def vllm_concurrent_requests(
-    body: dict[str, Any], transfer_id: str, side_host: str, side_port: int
+    body: dict[str, Any],
+    transfer_id: str,
+    side_host: str,
+    side_port: int,
+    first_token_from_prefill: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(prefill_body, decode_body) for the vLLM concurrent flow with ``SplitserveConnector``.
 
     Both are sent at the same time. D learns where P's connector side channel listens
     (``side_host``:``side_port``) and registers its blocks there under ``transfer_id``; P holds
     the request's KV under that id until the registration arrives.
+
+    ``first_token_from_prefill``: D continues from the first token P samples (it receives the
+    KV of every prompt token and the token itself with DONE); the client's first token is P's
+    (``splitserve.proxy.stitch``), D's answer starts at the second. The caller decides whether
+    a request can go this way (``stitch.first_token_eligible``).
     """
     if not transfer_id:
         raise DispatchError("transfer_id must be a non-empty string")
@@ -85,6 +94,8 @@ def vllm_concurrent_requests(
         "remote_host": side_host,
         "remote_port": int(side_port),
     }
+    if first_token_from_prefill:
+        decode["kv_transfer_params"]["first_token_from_prefill"] = True
     prefill = _prefill_only(_client_body(body))
     prefill["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
     return prefill, decode

@@ -11,6 +11,8 @@ Invariants:
 - When an ``auth_key`` is configured, a message without a valid MAC is rejected
   (``MessageAuthError``), whatever its content.
 - Messages are small: block ids are lists of ints, agent metadata is base64 in JSON.
+- Optional fields (``None`` when unused) are left out of the wire body, so adding one keeps
+  version 1 compatible with peers that do not know it, as long as they are not asked to use it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ class Register(_Message):
     agent_name: str
     block_ids: list[list[Annotated[int, Field(ge=0)]]]
     token_offset: int = Field(ge=0)
+    first_token: Literal[True] | None = Field(
+        None,
+        description="D continues from P's first output token: DONE must carry it (and D "
+        "registers every prompt token, not all but the last). Absent on the wire when unset, "
+        "so a peer that predates the field still understands every other registration.",
+    )
 
 
 class Done(_Message):
@@ -92,6 +100,12 @@ class Done(_Message):
     prefill_end_wall: float = Field(
         description="P's wall clock (time.time()) when the last layer of the last chunk was "
         "computed; D measures the exposed handoff from it (same host or synced clocks)"
+    )
+    first_token: int | None = Field(
+        None,
+        ge=0,
+        description="The request's first output token as P sampled it; sent when the "
+        "registration asked for it (``Register.first_token``), absent otherwise.",
     )
 
 
@@ -135,7 +149,9 @@ def _mac(auth_key: bytes, body: bytes) -> bytes:
 
 def encode(message: _Message, auth_key: bytes | None = None) -> bytes:
     """The wire bytes of ``message``, MAC'd under ``auth_key`` when given."""
-    body = message.model_dump_json().encode()
+    # Optional fields travel only when set, so a peer that predates them (same version, stricter
+    # model) still accepts every message that does not use them.
+    body = message.model_dump_json(exclude_none=True).encode()
     mac = _mac(auth_key, body) if auth_key else b""
     return bytes([len(mac)]) + mac + body
 

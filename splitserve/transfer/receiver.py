@@ -4,7 +4,10 @@ Engine-agnostic; runs in the thread that owns D's KV cache (vLLM worker, SGLang 
 the push strategy D posts nothing: P writes into D's registered memory and D only learns, from
 the DONE notification that rides on P's last WRITE, that its blocks are filled.
 
-    expect(tid, host, port, block_ids, token_offset)  HELLO (first contact) + REGISTER to P
+    expect(tid, host, port, block_ids, token_offset, first_token=False)
+                                                       HELLO (first contact) + REGISTER to P;
+                                                       first_token: DONE must bring P's first
+                                                       output token (Outcome.first_token)
     release_remote(tid, host, port)                   tell P we need nothing (empty REGISTER)
     abort(tid, reason)                                 our request is gone: ABORT to P
     poll() -> {tid: Outcome}                           transfers settled since the last call
@@ -18,6 +21,8 @@ Invariants:
   write any more).
 - A DONE must carry a valid MAC (when a key is set), name an expected transfer, and come from
   the agent P named in its HELLO_ACK; anything else is dropped with a log line.
+- A transfer registered with ``first_token`` completes only with a DONE that carries the token;
+  a DONE without it (a P that predates the field) fails the transfer at once.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Outcome:
     ok: bool
     reason: str = ""
     exposed_handoff_s: float | None = None  # P's last layer computed -> DONE seen here
+    first_token: int | None = None  # P's first output token, when the registration asked
 
 
 @dataclass
@@ -56,6 +62,7 @@ class _Incoming:
     record: Transfer
     peer: PeerRef
     num_blocks: int
+    wants_token: bool = False
     outcome: Outcome | None = None  # decided, possibly held back until ABORT_ACK
 
 
@@ -95,15 +102,22 @@ class KVReceiver:
         return peer
 
     def expect(
-        self, transfer_id: str, host: str, port: int, block_ids: list[int], token_offset: int
+        self,
+        transfer_id: str,
+        host: str,
+        port: int,
+        block_ids: list[int],
+        token_offset: int,
+        first_token: bool = False,
     ) -> None:
-        """Register ``block_ids`` (ours, for logical blocks from ``token_offset // B``) with P."""
+        """Register ``block_ids`` (ours, for logical blocks from ``token_offset // B``) with P;
+        ``first_token``: ask P to send its first output token with DONE."""
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id} already expected")
         self.agent.layout.validate_block_ids(block_ids, "local block to receive")
         peer = self._peer(host, port)
         record = Transfer(transfer_id, S.REGISTERED, deadline=self.clock() + self.done_timeout_s)
-        self._transfers[transfer_id] = _Incoming(record, peer, len(block_ids))
+        self._transfers[transfer_id] = _Incoming(record, peer, len(block_ids), first_token)
         self.channel.send(
             peer,
             messages.Register(
@@ -111,6 +125,7 @@ class KVReceiver:
                 agent_name=self.agent.name,
                 block_ids=[list(block_ids)],
                 token_offset=token_offset,
+                first_token=True if first_token else None,
             ),
         )
 
@@ -250,6 +265,10 @@ class KVReceiver:
         if message.num_blocks != inc.num_blocks:
             self._fail(inc, f"DONE covers {message.num_blocks} blocks, expected {inc.num_blocks}")
             return
+        if inc.wants_token and message.first_token is None:
+            self._fail(inc, "DONE carries no first token (does the prefill side predate it?)")
+            return
         inc.record.transition(S.COMPLETED)
         handoff = max(0.0, time.time() - message.prefill_end_wall)
-        self._settle(inc, Outcome(True, exposed_handoff_s=handoff))
+        token = message.first_token if inc.wants_token else None
+        self._settle(inc, Outcome(True, exposed_handoff_s=handoff, first_token=token))

@@ -6,7 +6,8 @@ engine adapter drives it per step:
     begin_step(updates)      before the forward: block tables and tokens this step completes
     layer_done(layer)        after each layer: WRITE this layer's newly completed blocks
     end_step()               after the forward: advance the watermarks
-    finish_request / cancel  the engine finished (lease starts) or dropped the request
+    finish_request / cancel  the engine finished (lease starts; with the request's first
+                             output token when it has one) or dropped the request
     poll() -> released ids   control messages, completions, DONE, leases; ids whose blocks may
                              be freed now
 
@@ -17,6 +18,9 @@ exactly once, when it is complete and registered, so no block is written twice a
 filled block is never sent. Blocks P did not compute (its own prefix-cache hits) are complete
 from the start and go out in the first step. DONE is a NIXL notification on one final WRITE
 posted after every other WRITE of the transfer has completed, so it arrives after the data.
+When D's registration asks for the first output token (``Register.first_token``), DONE also
+waits for ``finish_request`` to bring it (the engine knows the token only once the step that
+completed the prompt has sampled it) and carries it to D.
 
 Invariants:
 - Nothing is posted for a block id that fails validation against either cache.
@@ -84,6 +88,8 @@ class _Outgoing:
     abort_from_peer: bool = False
     notified_peer: bool = False
     prefill_end_wall: float | None = None
+    wants_token: bool = False  # D asked for the first output token in DONE
+    first_token: int | None = None
 
     @property
     def end(self) -> int:
@@ -186,12 +192,14 @@ class KVSender:
         self._in_step = []
         self._stepping = False
 
-    def finish_request(self, transfer_id: str) -> None:
-        """The engine finished the request and holds its blocks for us: start the lease."""
+    def finish_request(self, transfer_id: str, first_token: int | None = None) -> None:
+        """The engine finished the request and holds its blocks for us: start the lease.
+        ``first_token``: the output token it sampled (for a D that continues from it)."""
         out = self._transfers.get(transfer_id)
         if out is None:
             return
         out.request_finished = True
+        out.first_token = first_token
         if out.record.state is S.AWAITING_REGISTRATION:
             out.record.deadline = self.clock() + self.lease_s
 
@@ -215,7 +223,10 @@ class KVSender:
         for out in list(self._transfers.values()):
             self._settle_handles(out)
             if out.record.state is S.FLUSHING and not out.handles and out.carrier is None:
-                self._post_carrier(out)
+                if not out.wants_token or out.first_token is not None:
+                    self._post_carrier(out)
+                elif out.request_finished:
+                    self._fail(out, "the request finished without a first token for D")
             if out.record.state is S.AWAITING_REGISTRATION and out.record.expired(now):
                 out.record.transition(S.EXPIRED, f"no registration within {self.lease_s}s lease")
                 self.stats.lease_expiries += 1
@@ -275,6 +286,7 @@ class KVSender:
             transfer_id=out.record.transfer_id,
             num_blocks=len(out.dst_blocks),
             prefill_end_wall=out.prefill_end_wall or time.time(),
+            first_token=out.first_token if out.wants_token else None,
         )
         notif = messages.encode(done, self.channel.auth_key)
         last = self.num_layers - 1
@@ -393,6 +405,7 @@ class KVSender:
         out.first = reg.token_offset // self.block_size
         out.dst_blocks = list(reg.block_ids[0]) if reg.block_ids else []
         out.sent_upto = out.first
+        out.wants_token = bool(reg.first_token)
         out.record.deadline = None
         if not out.dst_blocks:
             out.record.transition(S.COMPLETED, "receiver needs no blocks")

@@ -151,6 +151,9 @@ class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failures are reported per request, through failed_recving
 
+    def build_connector_worker_meta(self):
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
     def get_kv_connector_stats(self):
         return self._worker.stats() if self._worker is not None else None
 

@@ -2,7 +2,8 @@
 
 Built in the engine-core process by ``scheduler.py`` (``build_connector_meta``), consumed in the
 worker process by ``worker.py`` (``bind_connector_metadata``). Plain dataclasses: vLLM pickles the
-object across the process boundary.
+object across the process boundary. ``SplitserveWorkerMetadata`` goes the other way (worker ->
+scheduler half, through ``KVConnectorOutput.kv_connector_worker_meta``).
 
 Invariants:
 - Every list is in the order the scheduler decided it; the worker applies starts before steps.
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class ProduceEnd:
     transfer_id: str
     holds_blocks: bool
     cancel_reason: str | None = None
+    first_token: int | None = None  # the output token P sampled (sent to a D that asks)
 
 
 @dataclass
@@ -60,6 +65,7 @@ class ReceiveStart:
     remote_port: int
     block_ids: list[int]
     token_offset: int
+    first_token: bool = False  # ask P for its first output token with DONE
 
 
 @dataclass
@@ -87,3 +93,21 @@ class SplitserveConnectorMetadata(KVConnectorMetadata):
     receive_start: list[ReceiveStart] = field(default_factory=list)
     receive_release: list[ReceiveRelease] = field(default_factory=list)
     receive_abort: list[ReceiveAbort] = field(default_factory=list)
+    receive_fail: list[str] = field(default_factory=list)  # D req_ids to report failed at once
+
+
+@dataclass
+class SplitserveWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker half tells the scheduler half, per step (worker -> engine core).
+
+    ``first_tokens``: req_id -> P's first output token, for D requests whose load completed
+    in this step (reported in the same step as ``finished_recving``). With several workers
+    (tensor parallel), vLLM merges the workers' objects with ``aggregate``; every worker of a
+    request receives the same token.
+    """
+
+    first_tokens: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, SplitserveWorkerMetadata)
+        return SplitserveWorkerMetadata({**self.first_tokens, **other.first_tokens})

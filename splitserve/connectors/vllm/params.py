@@ -20,11 +20,17 @@ class KVParamsError(ValueError):
 
 @dataclass(frozen=True)
 class ReceiveParams:
-    """D side: load this request's prompt KV from P."""
+    """D side: load this request's prompt KV from P.
+
+    ``first_token_from_prefill``: D continues from the first output token P sampled (the proxy
+    streams that token to the client itself): D loads the KV of every prompt token, receives the
+    token with DONE, and its first step samples the request's second token.
+    """
 
     transfer_id: str
     remote_host: str
     remote_port: int
+    first_token_from_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,10 @@ def receive_params(params: dict[str, Any] | None) -> ReceiveParams | None:
         raise KVParamsError(f"remote_host must be a non-empty string, got {host!r}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise KVParamsError(f"remote_port must be an int in 1..65535, got {port!r}")
-    return ReceiveParams(_transfer_id(params, required=True), host, port)
+    first = params.get("first_token_from_prefill", False)
+    if not isinstance(first, bool):
+        raise KVParamsError(f"first_token_from_prefill must be true or false, got {first!r}")
+    return ReceiveParams(_transfer_id(params, required=True), host, port, first)
 
 
 def produce_params(params: dict[str, Any] | None) -> ProduceParams | None:
@@ -63,10 +72,21 @@ def produce_params(params: dict[str, Any] | None) -> ProduceParams | None:
     return ProduceParams(_transfer_id(params, required=False))
 
 
-def blocks_to_receive(num_prompt_tokens: int, local_tokens: int, block_size: int) -> range:
-    """Logical blocks D loads: all prompt tokens but the last, minus what D already holds.
+def tokens_to_receive(num_prompt_tokens: int, first_token_from_prefill: bool) -> int:
+    """Prompt tokens whose KV D takes from P: all but the last (D computes the last and samples
+    the first output token), or all of them when P's first output token comes with the KV."""
+    return num_prompt_tokens if first_token_from_prefill else max(num_prompt_tokens - 1, 0)
+
+
+def blocks_to_receive(
+    num_prompt_tokens: int,
+    local_tokens: int,
+    block_size: int,
+    first_token_from_prefill: bool = False,
+) -> range:
+    """Logical blocks D loads: ``tokens_to_receive`` minus what D already holds.
 
     ``local_tokens`` (D's own prefix-cache hit) is block aligned.
     """
-    needed_tokens = max(num_prompt_tokens - 1, 0)
+    needed_tokens = tokens_to_receive(num_prompt_tokens, first_token_from_prefill)
     return range(local_tokens // block_size, math.ceil(needed_tokens / block_size))

@@ -10,6 +10,15 @@ allocated blocks into a ``ReceiveStart`` (the worker registers them with P). A r
 while waiting becomes a ``ReceiveAbort``; the engine frees its blocks once the worker reports
 it finished receiving (after P acknowledged).
 
+D with ``first_token_from_prefill``: the answer is "all prompt tokens", and P's first output
+token comes back with DONE (worker -> here through ``SplitserveWorkerMetadata``). When the load
+completes, ``update_connector_output`` (which vLLM calls before it moves the request out of
+WAITING_FOR_REMOTE_KVS) makes the token the last token of the request's prompt, as vLLM's own
+streaming-input sessions do, and takes one from ``max_tokens``: the request then has one token
+more than is computed, so vLLM computes only that token's position and samples the request's
+second token. The client's first token is P's (the proxy streams it); D never recomputes a
+prompt token. A load without its token, or a request without room for a second token, fails.
+
 P (``do_remote_decode``): the request is announced to the worker with ``ProduceStart``; each
 step it is scheduled in adds a ``ProduceStep`` (block table, tokens complete after the step);
 ``request_finished`` keeps the blocks (``delay_free``), answers ``kv_transfer_params`` naming
@@ -22,6 +31,8 @@ Invariants:
   ``has_pending_push_work`` stays true until then, so the engine keeps stepping.
 - Malformed params never raise into the engine: the request is served locally, with an error
   log line naming the problem.
+- A ``first_token_from_prefill`` request either continues from P's token or fails its load; it
+  never samples a first token of its own (the client already has P's).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from splitserve.connectors.vllm.metadata import (
     ReceiveRelease,
     ReceiveStart,
     SplitserveConnectorMetadata,
+    SplitserveWorkerMetadata,
 )
 from splitserve.connectors.vllm.params import (
     KVParamsError,
@@ -45,6 +57,7 @@ from splitserve.connectors.vllm.params import (
     blocks_to_receive,
     produce_params,
     receive_params,
+    tokens_to_receive,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +81,9 @@ class SplitserveScheduler:
         self._receiving: dict[str, ReceiveParams] = {}  # req_id -> P, while a load is pending
         self._receive_started: set[str] = set()
         self._rejected_params: set[str] = set()
+        # first_token_from_prefill: req_id -> request while its load runs; tokens that came
+        self._continuing: dict[str, Request] = {}
+        self._first_tokens: dict[str, int] = {}
         # P side
         # req_id -> (transfer_id, request), while the request runs
         self._producing: dict[str, tuple[str, Request]] = {}
@@ -98,7 +114,8 @@ class SplitserveScheduler:
         params = self._receive_params(request)
         if params is None:
             return 0, False
-        needed = max(request.num_prompt_tokens - 1, 0) - num_computed_tokens
+        wanted = tokens_to_receive(request.num_prompt_tokens, params.first_token_from_prefill)
+        needed = wanted - num_computed_tokens
         return (needed, True) if needed > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -113,14 +130,29 @@ class SplitserveScheduler:
         if params is None:
             return
         self._receive_started.add(req_id)
+        first = params.first_token_from_prefill
+        if first and (request.prompt_token_ids is None or request.max_tokens < 2):
+            # No room for a token of D's own after P's (or a prompt of embeddings): fail the
+            # load rather than emit a token the client must not get.
+            logger.error(
+                "request %s: first_token_from_prefill needs a token-id prompt and max_tokens "
+                ">= 2 (has %s); failing it",
+                req_id,
+                request.max_tokens,
+            )
+            self._meta.receive_release.append(
+                ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
+            )
+            self._meta.receive_fail.append(req_id)
+            return
         if num_external_tokens <= 0:
             # Nothing to load (full local hit, or a 1-token prompt): let P free now.
             self._meta.receive_release.append(
                 ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
             )
             return
-        local_tokens = max(request.num_prompt_tokens - 1, 0) - num_external_tokens
-        logical = blocks_to_receive(request.num_prompt_tokens, local_tokens, self.block_size)
+        local_tokens = tokens_to_receive(request.num_prompt_tokens, first) - num_external_tokens
+        logical = blocks_to_receive(request.num_prompt_tokens, local_tokens, self.block_size, first)
         block_ids = list(blocks.get_block_ids()[0])
         if local_tokens % self.block_size or len(block_ids) < logical.stop:
             raise RuntimeError(
@@ -128,6 +160,8 @@ class SplitserveScheduler:
                 f"{len(block_ids)} blocks from token {local_tokens}"
             )
         self._receiving[req_id] = params
+        if first:
+            self._continuing[req_id] = request
         self._meta.receive_start.append(
             ReceiveStart(
                 req_id=req_id,
@@ -136,6 +170,7 @@ class SplitserveScheduler:
                 remote_port=params.remote_port,
                 block_ids=block_ids[logical.start : logical.stop],
                 token_offset=local_tokens,
+                first_token=first,
             )
         )
 
@@ -196,6 +231,8 @@ class SplitserveScheduler:
         req_id = request.request_id
         if req_id in self._receive_started:  # D side
             self._receive_started.discard(req_id)
+            self._continuing.pop(req_id, None)
+            self._first_tokens.pop(req_id, None)
             params = self._receiving.pop(req_id, None)
             if params is not None and request.status == RequestStatus.FINISHED_ABORTED:
                 # Still waiting for P: the worker aborts and reports it finished receiving
@@ -216,7 +253,9 @@ class SplitserveScheduler:
         tid, _ = self._producing.pop(req_id)
         self._held.add(req_id)
         if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            self._meta.produce_end.append(ProduceEnd(req_id, tid, True))
+            outputs = request.output_token_ids
+            first_token = int(outputs[0]) if outputs else None
+            self._meta.produce_end.append(ProduceEnd(req_id, tid, True, first_token=first_token))
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -229,11 +268,39 @@ class SplitserveScheduler:
         return True, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, SplitserveWorkerMetadata):
+            self._first_tokens.update(worker_meta.first_tokens)
+        failed = connector_output.failed_recving or set()
         for req_id in connector_output.finished_sending or ():
             self._held.discard(req_id)
         for req_id in connector_output.finished_recving or ():
             self._receiving.pop(req_id, None)
             self._aborting.discard(req_id)
+            request = self._continuing.pop(req_id, None)
+            token = self._first_tokens.pop(req_id, None)
+            if request is not None and req_id not in failed:
+                self._continue_from_first_token(request, token)
+
+    def _continue_from_first_token(self, request: Request, token: int | None) -> None:
+        """D: the load of every prompt token completed; P's first output token becomes the
+        prompt's last token (vLLM then computes only its position and samples token 2)."""
+        from vllm.v1.request import RequestStatus
+
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return  # finished meanwhile (aborted): nothing to continue
+        if token is None:
+            # The worker reports such a load as failed; reaching here is a bug. Without the
+            # token vLLM recomputes the last prompt token and samples token 1 again.
+            logger.error("request %s: KV loaded without P's first token", request.request_id)
+            return
+        assert request.prompt_token_ids is not None
+        # A new list: the engine-core request may share the old one with other structures.
+        request.prompt_token_ids = [*request.prompt_token_ids, token]
+        request._all_token_ids.append(token)  # noqa: SLF001 - what Request.append_* do
+        request.num_prompt_tokens += 1
+        request.max_tokens -= 1
+        request.update_block_hashes()
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while blocks wait for the worker: P's held requests, and

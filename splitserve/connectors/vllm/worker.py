@@ -7,7 +7,9 @@ of each step and reports settled transfers back through ``get_transfer_results``
 
 Per step (vLLM's order): ``bind`` (metadata: starts, ends, block tables) -> forward, with
 ``save_kv_layer`` after each attention layer (post that layer's completed blocks) ->
-``wait_for_save`` (close the step) -> ``get_transfer_results`` (poll both halves).
+``wait_for_save`` (close the step) -> ``get_transfer_results`` (poll both halves) ->
+``take_worker_meta`` (P's first output tokens of loads that completed in this step, for the
+scheduler half).
 
 Device paths: on host memory (CPU) a layer's KV is written when its attention op returns, so
 ``save_kv_layer`` posts at once. On a GPU the attention kernels are asynchronous: the layer's
@@ -35,7 +37,10 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from splitserve.connectors.vllm.config import SplitserveConnectorConfig
-from splitserve.connectors.vllm.metadata import SplitserveConnectorMetadata
+from splitserve.connectors.vllm.metadata import (
+    SplitserveConnectorMetadata,
+    SplitserveWorkerMetadata,
+)
 from splitserve.connectors.vllm.stats import COUNTERS, HANDOFF, SplitserveKVConnectorStats
 from splitserve.transfer import messages, strategy
 from splitserve.transfer.agent import KVAgent
@@ -113,6 +118,7 @@ class SplitserveWorker:
         # requests to report at the next poll without a transfer (a reused transfer id)
         self._immediate_sending: set[str] = set()
         self._immediate_failures: set[str] = set()
+        self._first_tokens: dict[str, int] = {}  # D: req_id -> P's first token, this step
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -182,7 +188,7 @@ class SplitserveWorker:
                     continue
                 self._release_reports[end.transfer_id] = end.holds_blocks
                 if end.cancel_reason is None:
-                    sender.finish_request(end.transfer_id)
+                    sender.finish_request(end.transfer_id, end.first_token)
                 else:
                     sender.cancel(end.transfer_id, end.cancel_reason)
             for start in meta.receive_start:
@@ -202,11 +208,13 @@ class SplitserveWorker:
                     start.remote_port,
                     start.block_ids,
                     start.token_offset,
+                    start.first_token,
                 )
             for release in meta.receive_release:
                 receiver.release_remote(
                     release.transfer_id, release.remote_host, release.remote_port
                 )
+            self._immediate_failures.update(meta.receive_fail)
             for abort in meta.receive_abort:
                 if self._receiving.get(abort.transfer_id) == abort.req_id:
                     receiver.abort(abort.transfer_id, "request aborted on the decode side")
@@ -255,10 +263,19 @@ class SplitserveWorker:
             if req_id is None:
                 continue
             recving.add(req_id)
+            if outcome.ok and outcome.first_token is not None:
+                self._first_tokens[req_id] = outcome.first_token
             if not outcome.ok:
                 failed.add(req_id)
                 logger.error("KV load for request %s failed: %s", req_id, outcome.reason)
         return sending, recving, failed
+
+    def take_worker_meta(self) -> SplitserveWorkerMetadata | None:
+        """P's first tokens of the loads reported finished by the last ``get_transfer_results``."""
+        if not self._first_tokens:
+            return None
+        tokens, self._first_tokens = self._first_tokens, {}
+        return SplitserveWorkerMetadata(tokens)
 
     # -- stats and shutdown -------------------------------------------------------------------
 
