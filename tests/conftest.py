@@ -51,6 +51,7 @@ class ServerPool:
         cpu_core: int | None = None,
         env: Mapping[str, str] | None = None,
         wait: bool = True,
+        nice: int = 0,
     ) -> Server:
         """The vLLM server registered under ``key``, started on first request.
 
@@ -68,6 +69,7 @@ class ServerPool:
                 extra_args=extra_args,
                 cpu_core=cpu_core,
                 env=env,
+                nice=nice,
             )
         if wait:
             self.group.wait(SERVER_START_TIMEOUT, names=[key], stop_group_on_failure=False)
@@ -75,6 +77,35 @@ class ServerPool:
 
     def wait_all(self, *keys: str) -> None:
         self.group.wait(SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False)
+
+
+# Integration modules run in this order (unit tests first; modules not listed run last, in
+# their usual order): modules that share servers run next to each other, so a shared server is
+# still running when the next module asks for it instead of being stopped and started again.
+INTEGRATION_ORDER = [
+    "test_smoke_vllm.py",  # "unified"
+    "test_adaptive_scheduler.py",  # "unified", "adaptive-scheduler"
+    "test_connector_vllm.py",  # "ss-a", "ss-b"
+    "test_proxy_splitserve.py",  # "ss-a", "ss-b"
+    "test_proxy_vllm.py",  # stock NIXL pair
+    "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
+    "test_proxy_sglang.py",  # the same pair
+    "test_sglang_server.py",
+    "test_up.py",  # its own deployment, not the pool
+]
+
+
+def _module_rank(item: pytest.Item) -> int:
+    path = Path(str(item.fspath))
+    if path.parent.name != "integration":
+        return 0
+    if path.name in INTEGRATION_ORDER:
+        return 1 + INTEGRATION_ORDER.index(path.name)
+    return 1 + len(INTEGRATION_ORDER)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config, items: list[pytest.Item]):
+    items.sort(key=_module_rank)  # stable: the order within a module is kept
 
 
 _GROUPS: list[ServerGroup] = []

@@ -88,8 +88,15 @@ class ServerGroup:
         host: str = "127.0.0.1",
         env: Mapping[str, str] | None = None,
         ready_path: str = "/health",
+        nice: int = 0,
     ) -> Server:
-        """Start a process now; it is waited for by ``wait``."""
+        """Start a process now; it is waited for by ``wait``.
+
+        ``nice`` > 0 lowers the process's CPU priority: for servers that spin a core while idle
+        (stock NIXL agents poll with no delay), so that they do not starve their neighbours.
+        """
+        if nice:
+            argv = ["nice", "-n", str(nice), *argv]
         if name in self.servers:
             raise ValueError(f"a server named {name!r} is already in this group")
         self._evict_for_one_more()
@@ -114,6 +121,7 @@ class ServerGroup:
         extra_args: Sequence[str] = (),
         cpu_core: int | None = None,
         env: Mapping[str, str] | None = None,
+        nice: int = 0,
     ) -> Server:
         """Start a stock vLLM OpenAI server (see ``engines.vllm_server``)."""
         port = port or free_port(host)
@@ -127,7 +135,7 @@ class ServerGroup:
             cpu_core=cpu_core,
             env=env,
         )
-        return self.add(name, cmd.argv, port=port, host=host, env=cmd.env)
+        return self.add(name, cmd.argv, port=port, host=host, env=cmd.env, nice=nice)
 
     def wait(
         self,

@@ -27,6 +27,9 @@ from splitserve.proxy.server import BackgroundProxy
 pytestmark = pytest.mark.integration
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+# NixlConnector's NIXL progress thread holds a core even while idle: lower priority, so that the
+# pair does not starve the servers starting beside it (tests/integration/conftest.py).
+NIXL_SPINNER_NICE = 10
 PROMPTS = [
     "7 " + "hello world the quick brown fox " * 15,  # longer than a 128-token block
     "a short prompt",
@@ -46,7 +49,13 @@ def nixl_pair(servers, tiny_model):
         }
         started.append(
             servers.vllm(
-                key, tiny_model, kv_transfer_config=NIXL, env=env, cpu_core=core, wait=False
+                key,
+                tiny_model,
+                kv_transfer_config=NIXL,
+                env=env,
+                cpu_core=core,
+                wait=False,
+                nice=NIXL_SPINNER_NICE,
             )
         )
     # Started now so that its start-up overlaps the pair's; waited for by ``victim``.

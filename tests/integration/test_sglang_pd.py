@@ -3,11 +3,9 @@
 and longer than the chunk (so prefill chunks), concurrent requests and a repeated prompt (a
 radix-cache hit on the prefill side).
 
-The pair runs the transfer backend named by ``TRANSFER_BACKEND``. splitserve's own backend is not
-built yet (docs/sglang.md), so today this exercises the proxy's SGLang dispatch, the router and
-the CPU test environment with SGLang's ``nixl`` backend, made to work on a CPU by the test shim
-(tests/shims/sglang_cpu, ``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``). When the backend lands, set
-``TRANSFER_BACKEND = "splitserve"`` and drop the shim variable.
+The pair (the shared ``sglang_pd`` fixture, tests/integration/conftest.py) runs SGLang's own
+``nixl`` transfer backend, made to work on a CPU by the test shim (tests/shims/sglang_cpu).
+splitserve's own SGLang backend is not built yet (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -24,14 +22,12 @@ import pytest
 pytest.importorskip("sglang")
 pytest.importorskip("sglang_router")
 
-from splitserve.connectors.sglang.launch import sglang_router, sglang_server  # noqa: E402
-from splitserve.launch.process import free_ports  # noqa: E402
+from splitserve.connectors.sglang.launch import sglang_server  # noqa: E402
+from splitserve.launch.process import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-TRANSFER_BACKEND = "nixl"
-BACKEND_ENV = {"SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM": "1"}
-CHUNK = 64
+CHUNK = 64  # the single server chunks like the shared pair (tests/integration/conftest.py)
 START_TIMEOUT = 600.0
 MAX_TOKENS = 8
 
@@ -74,57 +70,27 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fronts(servers, tiny_model):
-    """(single server URL, proxy URL, router URL), started once per module."""
+def fronts(servers, tiny_model, sglang_pd):
+    """(single server URL, proxy URL, router URL), started once per session."""
+    assert sglang_pd.chunk == CHUNK
     group = servers.group
-    model = str(tiny_model)
-    p_port, d_port, s_port, bootstrap, router_port, proxy_port, metrics_port = free_ports(7)
-    starts = {
-        "sglang-single": sglang_server(
-            model, s_port, served_model_name="tiny", chunked_prefill_size=CHUNK
-        ),
-        "sglang-pd-prefill": sglang_server(
-            model,
-            p_port,
-            served_model_name="tiny",
-            mode="prefill",
-            transfer_backend=TRANSFER_BACKEND,
-            bootstrap_port=bootstrap,
-            chunked_prefill_size=CHUNK,
-            env=BACKEND_ENV,
-        ),
-        "sglang-pd-decode": sglang_server(
-            model,
-            d_port,
-            served_model_name="tiny",
-            mode="decode",
-            transfer_backend=TRANSFER_BACKEND,
-            chunked_prefill_size=CHUNK,
-            env=BACKEND_ENV,
-        ),
-    }
-    ports = {"sglang-single": s_port, "sglang-pd-prefill": p_port, "sglang-pd-decode": d_port}
-    for key, cmd in starts.items():
-        if key not in group.servers:
-            group.add(key, cmd.argv, port=ports[key], env=cmd.env)
-    group.wait(START_TIMEOUT, names=list(starts), stop_group_on_failure=False)
-    p_url, d_url = group.servers["sglang-pd-prefill"].url, group.servers["sglang-pd-decode"].url
-    if "sglang-router" not in group.servers:
-        router = sglang_router(
-            router_port, [(p_url, bootstrap)], [d_url], prometheus_port=metrics_port
+    if "sglang-single" not in group.servers:
+        s_port = free_port()
+        single = sglang_server(
+            str(tiny_model), s_port, served_model_name="tiny", chunked_prefill_size=CHUNK
         )
-        group.add("sglang-router", router.argv, port=router_port, env=router.env)
+        group.add("sglang-single", single.argv, port=s_port, env=single.env)
     if "sglang-proxy" not in group.servers:
+        proxy_port = free_port()
         argv = [sys.executable, "-m", "splitserve.cli", "proxy", "--engine", "sglang"]
-        argv += ["--prefill", p_url, "--bootstrap-port", str(bootstrap), "--decode", d_url]
-        argv += ["--port", str(proxy_port)]
+        argv += ["--prefill", sglang_pd.prefill_url]
+        argv += ["--bootstrap-port", str(sglang_pd.bootstrap_port)]
+        argv += ["--decode", sglang_pd.decode_url, "--port", str(proxy_port)]
         group.add("sglang-proxy", argv, port=proxy_port)
-    group.wait(START_TIMEOUT, names=["sglang-router", "sglang-proxy"], stop_group_on_failure=False)
-    return (
-        group.servers["sglang-single"].url,
-        group.servers["sglang-proxy"].url,
-        group.servers["sglang-router"].url,
-    )
+    names = ["sglang-single", "sglang-proxy"]
+    group.wait(START_TIMEOUT, names=names, stop_group_on_failure=False)
+    single, proxy = group.servers["sglang-single"].url, group.servers["sglang-proxy"].url
+    return single, proxy, sglang_pd.router_url
 
 
 LENGTHS = [20, CHUNK, 3 * CHUNK + 5]

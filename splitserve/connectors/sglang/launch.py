@@ -37,6 +37,7 @@ def sglang_server(
     max_total_tokens: int = 16384,
     mem_fraction_static: float = 0.8,
     cpu: bool = True,
+    sleep_on_idle: bool = True,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     python: str | None = None,
@@ -48,6 +49,10 @@ def sglang_server(
     servers starting side by side made 0.05 and then 0.3 fail here. ``--max-total-tokens`` is
     what bounds the KV cache (16384 tokens of the tiny model: 64 MB), so a high fraction costs
     nothing.
+
+    ``sleep_on_idle`` (SGLang's ``--sleep-on-idle``): without it SGLang's scheduler polls its
+    sockets in a loop and holds a core at 100% while idle; with it, a fully idle scheduler
+    waits on its sockets (up to 1 s) and wakes as soon as a request arrives.
     """
     argv = [
         python or sys.executable,
@@ -63,6 +68,8 @@ def sglang_server(
         str(max_total_tokens),
         "--skip-server-warmup",
     ]
+    if sleep_on_idle:
+        argv.append("--sleep-on-idle")
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
     if cpu:

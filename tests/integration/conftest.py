@@ -1,0 +1,71 @@
+"""Fixtures shared by several integration modules, so that a server pair is started once per
+session (through the ``servers`` pool, by key) and not once per module.
+
+Module order: ``tests/conftest.py`` runs modules that share servers next to each other, so a
+shared pair is still running when the second module asks for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+SGLANG_PD_CHUNK = 64
+SGLANG_START_TIMEOUT = 600.0
+# Stock NIXL agents (SGLang's nixl backend, vLLM's NixlConnector) run a progress thread that
+# polls with no delay, a full core even while idle: such servers run at a lower priority so
+# that they do not starve the processes that start or compute beside them.
+NIXL_SPINNER_NICE = 10
+
+
+@dataclass(frozen=True)
+class SglangPD:
+    """A real SGLang PD pair (SGLang's own nixl backend on host memory) and SGLang's router."""
+
+    prefill_url: str
+    decode_url: str
+    bootstrap_port: int
+    router_url: str
+    chunk: int = SGLANG_PD_CHUNK
+
+
+@pytest.fixture(scope="module")
+def sglang_pd(servers, tiny_model) -> SglangPD:
+    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode`` / ``sglang-router``: P and D chunk
+    prefill by ``SGLANG_PD_CHUNK`` tokens; the CPU shim (tests/shims/sglang_cpu,
+    ``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``) registers SGLang's host buffers as host memory."""
+    pytest.importorskip("sglang")
+    pytest.importorskip("sglang_router")
+    from splitserve.connectors.sglang.launch import sglang_router, sglang_server
+    from splitserve.launch.process import free_ports
+
+    group = servers.group
+    model = str(tiny_model)
+    if "sglang-pd-prefill" not in group.servers:
+        p_port, d_port, bootstrap = free_ports(3)
+        env = {"SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM": "1"}
+        common = dict(
+            served_model_name="tiny",
+            transfer_backend="nixl",
+            chunked_prefill_size=SGLANG_PD_CHUNK,
+            env=env,
+        )
+        p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
+        d = sglang_server(model, d_port, mode="decode", **common)
+        group.add("sglang-pd-prefill", p.argv, port=p_port, env=p.env, nice=NIXL_SPINNER_NICE)
+        group.add("sglang-pd-decode", d.argv, port=d_port, env=d.env, nice=NIXL_SPINNER_NICE)
+    names = ["sglang-pd-prefill", "sglang-pd-decode"]
+    group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
+    p_server = group.servers["sglang-pd-prefill"]
+    argv = p_server.process.argv
+    bootstrap = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
+    d_url = group.servers["sglang-pd-decode"].url
+    if "sglang-router" not in group.servers:
+        router_port, metrics_port = free_ports(2)
+        router = sglang_router(
+            router_port, [(p_server.url, bootstrap)], [d_url], prometheus_port=metrics_port
+        )
+        group.add("sglang-router", router.argv, port=router_port, env=router.env)
+    group.wait(SGLANG_START_TIMEOUT, names=["sglang-router"], stop_group_on_failure=False)
+    return SglangPD(p_server.url, d_url, bootstrap, group.servers["sglang-router"].url)
