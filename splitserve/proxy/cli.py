@@ -89,6 +89,12 @@ def config_from_options(
 @click.option(
     "--workers", type=int, default=None, help="Proxy processes sharing the port (default 1)."
 )
+@click.option(
+    "--first-token-from-prefill/--no-first-token-from-prefill",
+    default=None,
+    help="vLLM concurrent flow: stream the first token P samples as soon as P answers and let "
+    "D continue from it (default: on for the vLLM concurrent flow).",
+)
 def proxy(
     config_file: str | None,
     prefill: tuple[str, ...],
@@ -101,9 +107,11 @@ def proxy(
     port: int | None,
     api_key: str | None,
     workers: int | None,
+    first_token_from_prefill: bool | None,
 ) -> None:
     """One OpenAI-compatible endpoint over pools of prefill and decode servers."""
     overrides = {
+        "first_token_from_prefill": first_token_from_prefill,
         "engine": engine,
         "flow": flow,
         "host": host,

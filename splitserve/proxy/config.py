@@ -139,6 +139,12 @@ class ProxyConfig(_Strict):
     workers: int = Field(
         1, ge=1, le=256, description="Proxy processes sharing the port (one event loop each)."
     )
+    first_token_from_prefill: bool | None = Field(
+        None,  # resolved to a bool by _check_flow (left unset, so a CLI --flow still decides)
+        description="vLLM concurrent flow (SplitserveConnector): the client's first token is "
+        "the one P samples, streamed as soon as P answers; D continues from it. Default: on "
+        "for the vLLM concurrent flow, off otherwise (where it is not supported).",
+    )
 
     @_model_validator(mode="before")
     @classmethod
@@ -165,6 +171,14 @@ class ProxyConfig(_Strict):
             for i, p in enumerate(self.prefill):
                 if p.bootstrap_port is None:
                     raise ValueError(f"prefill.{i}.bootstrap_port: required by SGLang ({p.url})")
+        supported = (self.engine, self.flow) == ("vllm", "concurrent")
+        if self.first_token_from_prefill is None:
+            object.__setattr__(self, "first_token_from_prefill", supported)  # not "set"
+        if self.first_token_from_prefill and not supported:
+            raise ValueError(
+                "first_token_from_prefill: only the vLLM concurrent flow (SplitserveConnector) "
+                f"supports it, not {self.engine} {self.flow}"
+            )
         if self.workers > 1 and self.port == 0:
             raise ValueError("port: several workers need a fixed port (0 picks one per worker)")
         for pool in ("prefill", "decode"):

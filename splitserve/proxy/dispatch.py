@@ -101,6 +101,11 @@ def vllm_concurrent_requests(
     return prefill, decode
 
 
+def colocated_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request for one server that serves it whole (no transfer)."""
+    return _client_body(body)
+
+
 def vllm_sequential_prefill_request(
     body: dict[str, Any], transfer_id: str | None = None
 ) -> dict[str, Any]:

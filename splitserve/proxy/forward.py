@@ -8,12 +8,16 @@ Flows:
   ``kv_transfer_params``.
 - ``concurrent`` (vLLM with SplitserveConnector, and SGLang): P and D at the same time; P's
   answer is awaited beside D's first byte so that a failing P is noticed while D waits for KV.
+- vLLM ``concurrent`` with ``first_token_from_prefill`` (``first_token.py``): the client's
+  first token is P's, sent when P answers; D continues from it. A request for one token goes
+  to P alone.
 
 Invariants:
 - Nothing is sent to the client before D's first body byte (or D's full answer when not
   streaming). Until then a failure of P (any kind) or a failed connect to D is retried on another
   pair with a new transfer id, at most ``retries.max_attempts`` pairs; after it, never.
-- D's stream is relayed chunk by chunk as it arrives, unparsed, so usage counts are D's.
+- D's stream is relayed chunk by chunk as it arrives, unparsed, so usage counts are D's
+  (first-token flow: parsed and rewritten per event by ``stitch``, usage counting P's token).
 - Every upstream response is closed on every exit path; a client that goes away (the handler is
   cancelled, or a write fails) closes both upstream connections, so the engines abort the request
   and free its KV.
@@ -28,14 +32,14 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from splitserve.proxy import dispatch
+from splitserve.proxy import dispatch, first_token
 from splitserve.proxy.config import ProxyConfig
 from splitserve.proxy.errors import (
     ProxyError,
@@ -46,6 +50,7 @@ from splitserve.proxy.errors import (
 from splitserve.proxy.health import HealthTracker
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool, prompt_head
+from splitserve.proxy.stitch import first_token_eligible, max_new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ class Forwarder:
             key = config.upstream_api_key.get_secret_value()
             self._headers["Authorization"] = f"Bearer {key}"
         self._mode = "sglang" if config.engine == "sglang" else f"vllm-{config.flow}"
+        self._first_token = bool(config.first_token_from_prefill)
 
     # ------------------------------------------------------------------ entry point
 
@@ -170,6 +176,26 @@ class Forwarder:
             p_done = asyncio.get_running_loop().time()
             return await self._decode(
                 request, route, path, d_body, d, stream, deadline, outcome, t_start, None, p_done
+            )
+
+        if self._mode == "vllm-concurrent" and self._first_token and first_token_eligible(body):
+            if max_new_tokens(body) == 1:
+                # One token is P's whole job: P serves it alone, as a colocated server.
+                return await self._decode(
+                    request,
+                    route,
+                    path,
+                    dispatch.colocated_request(body),
+                    p,
+                    stream,
+                    deadline,
+                    outcome,
+                    t_start,
+                    None,
+                    None,
+                )
+            return await first_token.attempt(
+                self, request, route, path, body, p, d, stream, deadline, outcome, t_start
             )
 
         if self._mode == "vllm-concurrent":
@@ -427,8 +453,10 @@ class Forwarder:
         d: Backend,
         outcome: Outcome,
         deadline: float,
+        rewrite: Callable[[bytes], bytes] | None = None,
     ) -> bool:
-        """Copy D's stream to the client as it comes; True when it ended cleanly.
+        """Copy D's stream to the client as it comes (through ``rewrite`` when given: the
+        first-token flow's ``stitch.StreamRewriter``); True when it ended cleanly.
 
         Each read waits at most ``stream_idle_s`` (and never past the request's deadline). An
         upstream failure ends the client's stream with an SSE ``error`` event (the status line
@@ -449,6 +477,10 @@ class Forwarder:
                 return False
             if not chunk:
                 return True
+            if rewrite is not None:
+                chunk = rewrite(chunk)
+                if not chunk:
+                    continue
             await out.write(chunk)
 
 

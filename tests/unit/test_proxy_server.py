@@ -223,7 +223,9 @@ async def test_sequential_flow_streaming_relays_every_chunk(fakes, proxies) -> N
 
 
 async def test_concurrent_flow_sends_transfer_id_to_both(fakes, proxies) -> None:
-    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], flow="concurrent"))
+    proxy = await start_proxy(
+        pd(fakes, ["p1"], ["d1"], flow="concurrent", first_token_from_prefill=False)
+    )
     proxies.append(proxy)
     status, answer = await post(
         proxy.url + "/v1/chat/completions",
@@ -243,7 +245,9 @@ async def test_concurrent_flow_sends_transfer_id_to_both(fakes, proxies) -> None
 
 async def test_concurrent_flow_lets_a_late_prefill_answer_arrive(fakes, proxies) -> None:
     fakes["p1"].delay = 0.3  # D's answer comes first; P's must not be cancelled (no abort)
-    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], flow="concurrent"))
+    proxy = await start_proxy(
+        pd(fakes, ["p1"], ["d1"], flow="concurrent", first_token_from_prefill=False)
+    )
     proxies.append(proxy)
     status, _ = await post(proxy.url + "/v1/completions", COMPLETION)
     assert status == 200

@@ -114,3 +114,22 @@ def test_strategy_by_transport():
     assert strategy.choose("tcp", "DRAM") is strategy.Direction.PUSH
     assert strategy.choose("rdma", "VRAM") is strategy.Direction.PUSH
     assert strategy.effective("cma", "DRAM") is strategy.Direction.PUSH  # pull not built yet
+
+
+def test_first_token_fields_round_trip_signed_and_stay_off_the_wire_when_unset():
+    reg = messages.Register(
+        transfer_id="t", agent_name="d", block_ids=[[1]], token_offset=0, first_token=True
+    )
+    done = messages.Done(transfer_id="t", num_blocks=1, prefill_end_wall=1.0, first_token=42)
+    for message in (reg, done):
+        assert messages.decode(messages.encode(message, KEY), KEY) == message
+    # Unset optional fields are not on the wire: a peer that predates them accepts the message.
+    plain = messages.Done(transfer_id="t", num_blocks=1, prefill_end_wall=1.0)
+    assert b"first_token" not in messages.encode(plain, KEY)
+    assert b"first_token" not in messages.encode(sample_messages()[2], KEY)
+    # The token is covered by the MAC like every other field.
+    wire = messages.encode(done, KEY)
+    with pytest.raises(messages.MessageAuthError):
+        messages.decode(wire.replace(b'"first_token":42', b'"first_token":43'), KEY)
+    with pytest.raises(messages.MalformedMessageError):
+        messages.decode(messages.encode(done).replace(b":42", b":-1"))

@@ -367,3 +367,69 @@ def test_receiver_local_abort_settles_on_ack_timeout_without_answer():
     for _ in range(6):
         settled |= receiver.poll()
     assert not settled["t"].ok and "aborted" in settled["t"].reason
+
+
+# -- first token from the prefill side ----------------------------------------------------------
+
+
+def register_for_first_token(channel, tid, dst):
+    reg = messages.Register(
+        transfer_id=tid, agent_name="D", block_ids=[dst], token_offset=0, first_token=True
+    )
+    channel.inbox.append(Inbound(PEER, reg))
+
+
+def test_done_waits_for_the_first_token_and_carries_it():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 20)
+    register_for_first_token(channel, "t", [7, 8])  # every prompt token: two blocks
+    run_prefill(sender, "t", [1, 2], [20])
+    complete_all(agent)
+    sender.poll()
+    assert not any(h.notif for h in agent.posted), "no DONE before the engine sampled"
+    sender.finish_request("t", first_token=99)
+    sender.poll()
+    (carrier,) = [h for h in agent.posted if h.notif]
+    done = messages.decode(carrier.notif)
+    assert isinstance(done, messages.Done) and done.first_token == 99 and done.num_blocks == 2
+    carrier.state = "DONE"
+    assert sender.poll() == {"t"}
+
+
+def test_done_without_a_requested_first_token_fails_the_transfer():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 20)
+    register_for_first_token(channel, "t", [7, 8])
+    run_prefill(sender, "t", [1, 2], [20])
+    complete_all(agent)
+    sender.finish_request("t", first_token=None)
+    assert sender.poll() == {"t"}
+    assert sender.state_of("t") is None
+    assert not any(h.notif for h in agent.posted)
+    assert isinstance(channel.sent[-1][1], messages.Abort)
+
+
+def test_plain_registration_gets_no_token_in_done():
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 20)
+    register(channel, "t", [7])
+    run_prefill(sender, "t", [1, 2], [20])
+    complete_all(agent)
+    sender.poll()
+    (carrier,) = [h for h in agent.posted if h.notif]
+    assert messages.decode(carrier.notif).first_token is None
+
+
+def test_receiver_passes_the_first_token_and_fails_a_done_without_it():
+    receiver, agent, channel = make_receiver()
+    receiver.expect("a", "127.0.0.1", 1, [4], 0, first_token=True)
+    receiver.expect("b", "127.0.0.1", 1, [5], 0, first_token=True)
+    assert channel.sent[1][1].first_token is True
+    channel.inbox.append(Inbound(P_ADDR, messages.HelloAck(agent_name="P")))
+    receiver.poll()
+    with_token = messages.Done(transfer_id="a", num_blocks=1, prefill_end_wall=0.0, first_token=5)
+    without = messages.Done(transfer_id="b", num_blocks=1, prefill_end_wall=0.0)
+    agent.notifs = {"P": [messages.encode(with_token), messages.encode(without)]}
+    settled = receiver.poll()
+    assert settled["a"].ok and settled["a"].first_token == 5
+    assert not settled["b"].ok and "no first token" in settled["b"].reason

@@ -1,0 +1,212 @@
+"""One request through a vLLM pair with the first token from the prefill server.
+
+Runs in the proxy process, on its event loop, for ``Forwarder`` (``forward.py``) when the
+option ``first_token_from_prefill`` is on and the request qualifies
+(``stitch.first_token_eligible``). P and D get the request at the same time, as in the plain
+concurrent flow, but D's ``kv_transfer_params`` say ``first_token_from_prefill``: D loads the KV
+of every prompt token and continues from the token P sampled. So the client's first token is
+P's, sent as soon as P answers (time to first token = P's prefill, like a colocated server),
+and D's answer, rewritten by ``stitch``, follows from the second token.
+
+Invariants:
+- Before P answered nothing reaches the client; a failing P (or a failed connect to D) is
+  retried on another pair as in the plain flow, D's request cancelled first.
+- When the first token ends the request (P stopped, or one token was asked for), D's request
+  is cancelled (closing its connection makes vLLM abort it; D's connector then releases P's
+  blocks) and the client gets P's token alone.
+- Streaming: once the first token is sent the answer is committed; a later failure of D ends
+  the stream with an SSE ``error`` event, as any mid-stream failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from splitserve.proxy import dispatch, stitch
+from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from splitserve.proxy.forward import Forwarder, Outcome
+    from splitserve.proxy.routing import Backend
+
+logger = logging.getLogger(__name__)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
+
+
+async def attempt(
+    fw: Forwarder,
+    request: web.Request,
+    route: str,
+    path: str,
+    body: dict[str, Any],
+    p: Backend,
+    d: Backend,
+    stream: bool,
+    deadline: float,
+    outcome: Outcome,
+    t_start: float,
+) -> web.StreamResponse:
+    """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing."""
+    from splitserve.proxy.forward import _Retry, _within
+
+    loop = asyncio.get_running_loop()
+    side = p.settings
+    p_body, d_body = dispatch.vllm_concurrent_requests(
+        body,
+        dispatch.new_transfer_id(),
+        side.side_host,
+        side.side_channel_port,
+        first_token_from_prefill=True,
+    )
+    p_task = asyncio.ensure_future(fw._prefill(p, path, p_body, deadline))
+    t0 = loop.time()
+    d.outstanding += 1
+    gauge = fw.metrics.of(fw.metrics.in_flight, *d.labels)
+    gauge.inc()
+    open_task = asyncio.ensure_future(fw._open_decode(d, path, d_body, stream, deadline))
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
+        until = min(deadline, t0 + fw._first_byte_s)
+        pending = {p_task, open_task}
+        while not p_task.done():
+            done, pending = await asyncio.wait(
+                pending, timeout=max(0.001, until - loop.time()), return_when="FIRST_COMPLETED"
+            )
+            if not done:
+                raise UpstreamTimeout(
+                    f"prefill server {p.url}: timed out waiting for the prefill answer",
+                    pool=p.pool,
+                    server=p.url,
+                )
+            if open_task in done and open_task.exception() is not None:
+                raise _decode_error(fw, open_task.exception(), d, _Retry)
+        exc = p_task.exception()
+        if exc is not None:
+            if isinstance(exc, ProxyError):
+                raise fw._prefill_retry(exc, p)
+            raise exc
+        answer = p_task.result()
+        p_done = loop.time()
+        try:
+            head = stitch.FirstToken.from_prefill_answer(answer, chat=route == "chat")
+        except ValueError as e:
+            raise UpstreamError(f"prefill server {p.url}: {e}", pool=p.pool, server=p.url) from e
+        if head.finish_reason not in (None, "length", "stop"):  # "abort", "error"
+            raise fw._prefill_retry(
+                UpstreamError(
+                    f"prefill server {p.url} ended the request ({head.finish_reason})",
+                    pool=p.pool,
+                    server=p.url,
+                ),
+                p,
+            )
+
+        if head.ends_request(body):
+            open_task.cancel()  # D aborts its request; its connector releases P's blocks
+            fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
+            outcome.status = 200
+            if not stream:
+                return web.json_response(head.alone(answer))
+            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            with contextlib.suppress(*_CLIENT_GONE):
+                await out.prepare(request)
+                await out.write(head.head_events(body, last=True))
+                await out.write_eof()
+            return out
+
+        if not stream:
+            try:
+                resp, raw = await _within(open_task, deadline)
+            except ProxyError:
+                raise
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                raise _decode_error(fw, e, d, _Retry) from None
+            resp.release()  # read to the end: the connection goes back to the pool
+            if resp.status != 200:
+                raise UpstreamStatus(resp.status, raw, pool=d.pool, server=d.url)
+            try:
+                merged = head.merge(json.loads(raw))
+            except (ValueError, TypeError, AttributeError):
+                raise UpstreamError(
+                    f"decode server {d.url} answered invalid JSON", pool=d.pool, server=d.url
+                ) from None
+            fw.metrics.handoff.observe(max(0.0, loop.time() - p_done))
+            fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
+            outcome.status = 200
+            return web.json_response(merged)
+
+        # Phase 2 (streaming): the first token goes out now; the answer is committed.
+        out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        try:
+            await out.prepare(request)
+            await out.write(head.head_events(body, last=False))
+            fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
+            outcome.status = 200
+            rewriter = stitch.StreamRewriter(head)
+            try:
+                resp, first = await _within(open_task, min(deadline, p_done + fw._first_byte_s))
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                err = fw._map_error(e, d, "the decode server's first byte")
+                outcome.error_kind = f"midstream_{err.kind}"
+                await out.write(_error_event(err.body()["error"]))
+                return out
+            if resp.status != 200:
+                err_status = UpstreamStatus(resp.status, first, pool=d.pool, server=d.url)
+                outcome.error_kind = "midstream_upstream_status"
+                await out.write(_error_event(err_status.body()["error"]))
+                return out
+            fw.metrics.handoff.observe(max(0.0, loop.time() - p_done))
+            await out.write(rewriter.feed(first))
+            clean = await fw._relay(resp, out, d, outcome, deadline, rewrite=rewriter.feed)
+            rest = rewriter.flush()
+            if rest:
+                await out.write(rest)
+            if clean:
+                resp.release()
+                resp = None
+            fw.metrics.of(fw.metrics.upstream, *d.labels).observe(loop.time() - t0)
+            await out.write_eof()
+        except _CLIENT_GONE:
+            outcome.status, outcome.error_kind = 499, "client_disconnected"
+            logger.info("client went away mid-stream; closing %s", d.url)
+        return out
+    finally:
+        if not open_task.done():
+            open_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            opened, _ = await open_task
+            if resp is None:
+                opened.close()  # opened, never used (the first token ended the request)
+        if resp is not None:
+            resp.close()
+        if not p_task.done():
+            p_task.cancel()  # D or the client failed first: P aborts and frees its KV
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await p_task
+        d.outstanding -= 1
+        gauge.dec()
+
+
+def _decode_error(fw: Forwarder, e: BaseException, d: Backend, retry_cls) -> Exception:
+    """D failed before anything reached the client: retry a failed connect, else report."""
+    if isinstance(e, ProxyError):
+        return e
+    if isinstance(e, aiohttp.ClientError | TimeoutError | OSError):
+        err = fw._map_error(e, d, "the decode server")
+        if err.connect_failed:
+            return retry_cls(err, d, "decode_connect")
+        return err
+    return e
+
+
+def _error_event(error: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"

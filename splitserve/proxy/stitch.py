@@ -1,0 +1,305 @@
+"""Stitching one client answer from P's first token and D's continuation (first token from P).
+
+Pure functions and one small stream rewriter; runs in the proxy process, imports no engine.
+
+With ``first_token_from_prefill`` the client's first token is the one P sampled: the proxy
+sends it as soon as P answers, and D (which continues from prompt + that token) produces the
+rest. This module decides which requests may go that way, turns P's one-token answer into the
+client's first chunk(s), rewrites D's stream (one ``id``, no second chat role chunk, usage that
+counts P's token) and merges the two non-streamed answers.
+
+Invariants:
+- The client sees one ordinary OpenAI answer: one ``id`` across all chunks, ``usage`` with
+  ``completion_tokens`` = 1 + D's and ``prompt_tokens`` as the engines count them.
+- A request goes this way only when every field it carries is known to mean the same with the
+  first token sampled on P (``first_token_eligible``); anything else takes the plain flow.
+- Rewriting never drops an event it does not understand: non-JSON data lines (``[DONE]``) and
+  error events pass unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Fields that mean the same when P samples the first token and D the rest. Anything else
+# (logprobs, echo, seeds, penalties that count output tokens, structured output, tools, ...)
+# makes the proxy use the plain concurrent flow for that request.
+_SAFE_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "n",
+        "user",
+        "ignore_eos",
+        "repetition_penalty",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "priority",
+        "cache_salt",
+        "kv_transfer_params",  # replaced by the proxy anyway
+    }
+)
+# Fields allowed only at their neutral value.
+_NEUTRAL = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logprobs": (None, False),
+    "echo": (None, False),
+    "seed": (None,),
+    "min_tokens": (None, 0),
+}
+
+
+def max_new_tokens(body: dict[str, Any]) -> int | None:
+    """The client's output-token limit, when it gave one."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def first_token_eligible(body: dict[str, Any]) -> bool:
+    """True when ``body`` may be served with P's first token and D's continuation."""
+    for key, value in body.items():
+        if key in _SAFE_FIELDS:
+            continue
+        if key in _NEUTRAL and any(value == v and type(value) is type(v) for v in _NEUTRAL[key]):
+            continue
+        if key in _NEUTRAL and value is None:
+            continue
+        return False
+    options = body.get("stream_options")
+    return options is None or isinstance(options, dict)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The client's first token, from P's (non-streamed, one-token) answer."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    text: str
+    finish_reason: str | None
+    stop_reason: Any
+    prompt_tokens: int | None
+
+    @classmethod
+    def from_prefill_answer(cls, answer: dict[str, Any], chat: bool) -> FirstToken:
+        """Raises ``ValueError`` when the answer is not a one-choice completion."""
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise ValueError("prefill answer has no single choice")
+        choice = choices[0]
+        if chat:
+            message = choice.get("message") or {}
+            text = message.get("content") or ""
+        else:
+            text = choice.get("text") or ""
+        if not isinstance(text, str):
+            raise ValueError("prefill answer's text is not a string")
+        usage = answer.get("usage") or {}
+        return cls(
+            chat=chat,
+            id=str(answer.get("id", "")),
+            created=int(answer.get("created", 0)),
+            model=str(answer.get("model", "")),
+            text=text,
+            finish_reason=choice.get("finish_reason"),
+            stop_reason=choice.get("stop_reason"),
+            prompt_tokens=usage.get("prompt_tokens"),
+        )
+
+    def ends_request(self, body: dict[str, Any]) -> bool:
+        """The first token is the last one: P stopped (EOS, stop token or string) or the
+        client asked for one token."""
+        return self.finish_reason == "stop" or max_new_tokens(body) == 1
+
+    def usage(self, completion_tokens: int = 1) -> dict[str, int]:
+        prompt = self.prompt_tokens or 0
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
+
+    # ---------------------------------------------------------------- streamed answers
+
+    def _chunk(self, choice: dict[str, Any], usage: dict[str, int] | None) -> bytes:
+        event: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if usage is not None:
+            event["usage"] = usage
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    def head_events(self, body: dict[str, Any], last: bool) -> bytes:
+        """The client's first SSE events: (chat: the role chunk, then) the first token; with
+        ``last``, finished with P's finish reason, the usage chunk if asked, and ``[DONE]``."""
+        options = body.get("stream_options") or {}
+        continuous = bool(options.get("continuous_usage_stats"))
+        usage = self.usage() if continuous else None
+        finish = self.finish_reason if last else None
+        stop = self.stop_reason if last else None
+        out = b""
+        if self.chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            out += self._chunk(
+                dict(role, finish_reason=None), self.usage(0) if continuous else None
+            )
+            delta = {"content": self.text}
+            out += self._chunk(
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                },
+                usage,
+            )
+        else:
+            out += self._chunk(
+                {
+                    "index": 0,
+                    "text": self.text,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                },
+                usage,
+            )
+        if last:
+            if options.get("include_usage"):
+                event = {
+                    "id": self.id,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage(),
+                }
+                out += b"data: " + json.dumps(event).encode() + b"\n\n"
+            out += b"data: [DONE]\n\n"
+        return out
+
+    # ---------------------------------------------------------------- whole answers
+
+    def alone(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """P's answer as the client's whole answer (the first token was the last)."""
+        out = dict(answer)
+        out.pop("kv_transfer_params", None)
+        return out
+
+    def merge(self, decode_answer: dict[str, Any]) -> dict[str, Any]:
+        """D's non-streamed answer with the first token put in front (text and usage)."""
+        out = dict(decode_answer)
+        out["id"] = self.id or out.get("id")
+        choices = out.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = dict(choices[0])
+            if self.chat:
+                message = dict(choice.get("message") or {})
+                message["content"] = self.text + (message.get("content") or "")
+                choice["message"] = message
+            else:
+                choice["text"] = self.text + (choice.get("text") or "")
+            out["choices"] = [choice, *choices[1:]]
+        out["usage"] = _count_first_token(out.get("usage"))
+        out.pop("kv_transfer_params", None)
+        return out
+
+
+def _count_first_token(usage: Any) -> Any:
+    if not isinstance(usage, dict):
+        return usage
+    usage = dict(usage)
+    for key in ("completion_tokens", "total_tokens"):
+        if isinstance(usage.get(key), int):
+            usage[key] += 1
+    return usage
+
+
+class StreamRewriter:
+    """Rewrites D's SSE stream after the first token was sent: one ``id``, no second chat role
+    chunk, usage counting P's token. Feed it D's bytes as they come; it returns whole events."""
+
+    def __init__(self, head: FirstToken) -> None:
+        self.head = head
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self._buffer += data
+        out = []
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            rewritten = self._rewrite(event)
+            if rewritten:
+                out.append(rewritten)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is left when D's stream ended (an unterminated last event, passed as is)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _rewrite(self, event: bytes) -> bytes:
+        text = event.strip()
+        if not text.startswith(b"data:"):
+            return event
+        payload = text[5:].strip()
+        if not payload.startswith(b"{"):
+            return event  # [DONE]
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return event
+        if not isinstance(data, dict) or "error" in data:
+            return event
+        if self.head.id:
+            data["id"] = self.head.id
+        choices = data.get("choices")
+        if self.head.chat and isinstance(choices, list):
+            kept = []
+            for choice in choices:
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                if isinstance(delta, dict) and "role" in delta:
+                    delta = {k: v for k, v in delta.items() if k != "role"}
+                    choice = dict(choice, delta=delta)
+                    if not any(delta.values()) and choice.get("finish_reason") is None:
+                        continue  # D's own role chunk: the client already has one
+                kept.append(choice)
+            if not kept and choices and data.get("usage") is None:
+                return b""
+            data["choices"] = kept
+        if "usage" in data:
+            data["usage"] = _count_first_token(data["usage"])
+        return b"data: " + json.dumps(data).encode() + b"\n\n"

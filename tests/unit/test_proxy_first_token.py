@@ -1,0 +1,294 @@
+"""The proxy's first-token-from-prefill flow: which requests take it, how P's token and D's
+continuation become one answer, and what happens when the first token is the last.
+
+``StubVllm`` is a stub engine: a tiny aiohttp app answering in vLLM's OpenAI format (P: one
+non-streamed token; D: the continuation, from the second token, when asked for the first-token
+flow; otherwise a colocated answer). It exists only to unit-test the proxy's logic; real vLLM
+servers are behind tests/integration/test_proxy_splitserve.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from splitserve.proxy import stitch
+from splitserve.proxy.config import build_config
+from splitserve.proxy.server import build_app
+
+TEXT = ["A", "B", "C", "D", "E"]
+
+
+class StubVllm:
+    """``p_finish``: P's finish reason for its one token; ``d_hangs``: D never answers (a real
+    D waits for the KV of a request whose first token ended it)."""
+
+    def __init__(self, p_finish: str = "length", d_hangs: bool = False) -> None:
+        self.p_finish = p_finish
+        self.d_hangs = d_hangs
+        self.bodies: list[dict[str, Any]] = []
+        self.cancelled = 0
+        self.server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.port}"
+
+    async def start(self) -> StubVllm:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        return self
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        chat = request.path.endswith("chat/completions")
+        params = body.get("kv_transfer_params") or {}
+        n = body.get("max_tokens", 5)
+        try:
+            if params.get("do_remote_decode"):
+                return web.json_response(self._whole(chat, ["A"], self.p_finish, "p-id"))
+            if params.get("first_token_from_prefill"):
+                if self.d_hangs:
+                    await asyncio.sleep(3600)
+                pieces = TEXT[1:n]
+            else:
+                pieces = TEXT[:n]
+            if not body.get("stream"):
+                return web.json_response(self._whole(chat, pieces, "length", "d-id"))
+            return await self._stream(request, body, chat, pieces)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    @staticmethod
+    def _whole(chat: bool, pieces: list[str], finish: str, rid: str) -> dict[str, Any]:
+        text = "".join(pieces)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        usage = {"prompt_tokens": 3, "completion_tokens": len(pieces)}
+        usage["total_tokens"] = 3 + len(pieces)
+        return {"id": rid, "created": 1, "model": "tiny", "choices": [choice], "usage": usage}
+
+    async def _stream(self, request, body, chat, pieces) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+
+        async def send(choice, usage=None):
+            event = {"id": "d-id", "created": 2, "model": "tiny", "choices": choice}
+            if usage is not None:
+                event["usage"] = usage
+            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        if chat:
+            await send([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            key = "delta" if chat else "text"
+            value = {"content": piece} if chat else piece
+            await send([{"index": 0, key: value, "finish_reason": "length" if last else None}])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 3, "completion_tokens": len(pieces)}
+            usage["total_tokens"] = 3 + len(pieces)
+            await send([], usage)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+@pytest.fixture
+def stub_settings() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+async def stack(stub_settings):
+    """(proxy url, P stub, D stub), with ``stub_settings`` for the stubs."""
+    p = await StubVllm(p_finish=stub_settings.get("p_finish", "length")).start()
+    d = await StubVllm(d_hangs=stub_settings.get("d_hangs", False)).start()
+    config = build_config(
+        {
+            "port": 0,
+            "flow": "concurrent",
+            "prefill": [{"url": p.url, "side_channel_port": 7000}],
+            "decode": [{"url": d.url}],
+            "health": {"interval_s": 0.1, "timeout_s": 1.0},
+        }
+    )
+    assert config.first_token_from_prefill is True, "on by default for the concurrent flow"
+    server = TestServer(build_app(config), host="127.0.0.1")
+    await server.start_server()
+    yield f"http://127.0.0.1:{server.port}", p, d
+    await server.close()
+    for stub in (p, d):
+        assert stub.server is not None
+        await stub.server.close()
+
+
+async def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+async def events(url: str, body: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            line = line.strip()
+            if line.startswith(b"data: "):
+                data = line[6:]
+                out.append(data.decode() if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+# -- which requests take the flow ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "eligible"),
+    [
+        ({}, True),
+        (
+            {
+                "stop": ["x"],
+                "top_p": 0.9,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            True,
+        ),
+        ({"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": None, "seed": None}, True),
+        ({"logprobs": 1}, False),
+        ({"logprobs": True, "top_logprobs": 2}, False),
+        ({"echo": True}, False),
+        ({"seed": 7}, False),
+        ({"frequency_penalty": 0.5}, False),
+        ({"min_tokens": 3}, False),
+        ({"response_format": {"type": "json_object"}}, False),
+        ({"tools": []}, False),
+        ({"stream_options": "yes"}, False),
+    ],
+)
+def test_first_token_eligible(extra, eligible):
+    assert stitch.first_token_eligible({**COMPLETION, **extra}) is eligible
+
+
+def test_stream_rewriter_one_id_no_second_role_usage_counts_the_first_token():
+    head = stitch.FirstToken.from_prefill_answer(
+        StubVllm._whole(True, ["A"], "length", "p-id"), chat=True
+    )
+    rewriter = stitch.StreamRewriter(head)
+    role = {"id": "d", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    token = {"id": "d", "choices": [{"index": 0, "delta": {"content": "B"}}]}
+    usage = {"id": "d", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    wire = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in (role, token, usage))
+    wire += b"data: [DONE]\n\n"
+    out = rewriter.feed(wire[:30]) + rewriter.feed(wire[30:]) + rewriter.flush()
+    got = [e[6:] for e in out.split(b"\n\n") if e]
+    assert got[-1] == b"[DONE]" and len(got) == 3
+    first, last = json.loads(got[0]), json.loads(got[1])
+    assert first["id"] == "p-id" and first["choices"][0]["delta"] == {"content": "B"}
+    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
+
+
+# -- the flow through the proxy -----------------------------------------------------------------
+
+
+async def test_completion_not_streamed(stack):
+    url, p, d = stack
+    status, answer = await post(url + "/v1/completions", COMPLETION)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == "ABCD"
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert answer["id"] == "p-id" and "kv_transfer_params" not in answer
+    (p_body,), (d_body,) = p.bodies, d.bodies
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert d_body["max_tokens"] == 4, "D's engine counts P's token against the limit itself"
+    assert d_body["kv_transfer_params"]["first_token_from_prefill"] is True
+    assert (
+        d_body["kv_transfer_params"]["transfer_id"] == p_body["kv_transfer_params"]["transfer_id"]
+    )
+
+
+async def test_completion_streamed_with_usage(stack):
+    url, _, _ = stack
+    body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+    got = await events(url + "/v1/completions", body)
+    assert got[-1] == "[DONE]"
+    chunks = got[:-1]
+    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["A", "B", "C", "D"]
+    assert {c["id"] for c in chunks} == {"p-id"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+async def test_chat_streamed_and_not(stack):
+    url, _, _ = stack
+    status, answer = await post(url + "/v1/chat/completions", CHAT)
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "ABCD"
+    assert answer["usage"]["completion_tokens"] == 4
+    got = await events(url + "/v1/chat/completions", {**CHAT, "stream": True})
+    deltas = [c["choices"][0]["delta"] for c in got[:-1] if c["choices"]]
+    assert [d.get("role") for d in deltas].count("assistant") == 1
+    assert "".join(d.get("content") or "" for d in deltas) == "ABCD"
+
+
+@pytest.mark.parametrize("stub_settings", [{"p_finish": "stop", "d_hangs": True}])
+async def test_a_stop_on_the_first_token_ends_the_request_and_cancels_decode(stack):
+    url, _, d = stack
+    status, answer = await post(url + "/v1/completions", COMPLETION)
+    assert status == 200
+    assert answer["choices"][0]["text"] == "A" and answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 1
+    body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+    got = await events(url + "/v1/completions", body)
+    assert got[0]["choices"][0] == {
+        "index": 0,
+        "text": "A",
+        "logprobs": None,
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }
+    assert got[1]["usage"]["completion_tokens"] == 1 and got[2] == "[DONE]"
+    for _ in range(200):
+        if d.cancelled == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert d.cancelled == 2, "D's request is cancelled (a real D aborts and frees)"
+
+
+async def test_one_token_goes_to_prefill_alone(stack):
+    url, p, d = stack
+    status, answer = await post(url + "/v1/completions", {**COMPLETION, "max_tokens": 1})
+    assert status == 200 and answer["choices"][0]["text"] == "A"
+    (p_body,) = p.bodies
+    assert "kv_transfer_params" not in p_body and d.bodies == []
+
+
+async def test_ineligible_request_takes_the_plain_concurrent_flow(stack):
+    url, _, d = stack
+    status, answer = await post(url + "/v1/completions", {**COMPLETION, "logprobs": 1})
+    assert status == 200 and answer["choices"][0]["text"] == "ABCD"
+    assert "first_token_from_prefill" not in d.bodies[0]["kv_transfer_params"]
