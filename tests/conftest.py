@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -130,6 +131,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
         yield ServerPool(group)
     finally:
         group.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI time limit, ``kill``) ends the session like Ctrl-C, so the session's
+    fixtures still stop every server they started instead of leaving them orphaned."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
