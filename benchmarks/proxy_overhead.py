@@ -16,7 +16,7 @@ Added latency is the contender's latency minus the direct latency at the same pe
 concurrency. The load generator is an aiohttp client in this process. On a small machine the
 three processes share the cores, so read ratios within one run, not absolute numbers.
 
-    python benchmarks/proxy.py --requests 2000 --concurrency 1 64 256 --out results/proxy.json
+    python benchmarks/proxy_overhead.py --requests 1000 --out results/proxy_overhead.json
 """
 
 from __future__ import annotations
