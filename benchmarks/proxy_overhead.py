@@ -1,22 +1,43 @@
-"""Proxy overhead: added latency and throughput of the splitserve proxy over a direct connection.
+"""Proxy overhead: added latency and maximum throughput of disaggregating proxies over a direct
+connection, all on the same stub backends, in one run.
 
-Two fast stub OpenAI backends (aiohttp on uvloop when available; one process plays the prefill
-server, one the decode server) answer instantly, and every contender talks to them on loopback:
+Two fast stub OpenAI backends (aiohttp on uvloop; one process plays the prefill server, one the
+decode server) answer at once, so what is measured is the proxies' own cost. Contenders, each
+its own process, all on those two stubs, on loopback:
 
-- ``direct``: the client posts straight to the decode stub (one upstream request);
-- ``splitserve``: ``splitserve proxy`` (its own process) in the vLLM sequential flow: one prefill
-  request, then the decode request, then the relay;
-- ``bare-aiohttp``: the least a Python/aiohttp proxy can do for the same flow (the floor the
-  runtime sets), so that the cost of our own logic shows;
-- when ``sglang_router`` is importable (the SGLang test venv): SGLang's Rust router and our proxy
-  with ``--engine sglang`` (the same work: P and D at once, bootstrap fields);
-- ``vllm-router`` and vLLM's toy proxy are not installed here: listed as not measured.
+- ``direct``: the client posts straight to the decode stub (one upstream request; the reference);
+- ``bare-aiohttp``: the least a Python/aiohttp proxy can do for the vLLM sequential flow (P,
+  then D, relayed; no validation, routing, metrics, timeouts or retries): the runtime's floor;
+- ``splitserve``: ``splitserve proxy``, vLLM sequential flow (P one token, then D with P's
+  ``kv_transfer_params``);
+- ``splitserve-concurrent``: ``splitserve proxy --flow concurrent`` (P and D at once, the flow
+  of ``SplitserveConnector``), and ``splitserve-first-token``, the same with
+  ``--first-token-from-prefill`` (P's token sent first, D's stream parsed and rewritten);
+- ``vllm-router``: vLLM's Rust router (PyPI ``vllm-router``) in its PD mode
+  (``--vllm-pd-disaggregation``): the same work as ``splitserve``, P then D;
+- ``sglang-router``: SGLang's Rust router (PyPI ``sglang-router``) in its PD mode (P and D at
+  once with bootstrap fields), and ``splitserve-sglang`` (our proxy, ``--engine sglang``, the
+  same work);
+- ``--baseline REV``: ``splitserve@REV``, our proxy as of git revision REV (sequential flow),
+  to measure a change before/after in the same run.
 
-Added latency is the contender's latency minus the direct latency at the same percentile and
-concurrency. The load generator is an aiohttp client in this process. On a small machine the
-three processes share the cores, so read ratios within one run, not absolute numbers.
+Both Rust routers run with a policy that needs no tokenizer (``round_robin``; vllm-router's
+default ``cache_aware`` asks the prefill server to tokenize every prompt first). A router that
+is not installed is listed as not measured.
 
-    python benchmarks/proxy_overhead.py --requests 1000 --out results/proxy_overhead.json
+Per cell (stream or not, concurrency C): ``--requests`` (at least 4 x C) with C clients in a
+closed loop, in ``--rounds`` rounds (20 warm-up requests each) with the contenders' order
+rotating from round to round, so that load from elsewhere hits them alike. Added latency is the
+contender's latency minus ``direct``'s at the same percentile; req/s is the throughput at that
+concurrency (at 64 and 256 every contender is saturated, so that is its maximum here);
+CPU/request is the user+system CPU time of the contender's processes over the cell divided by
+the requests it served (warm-up included), the figure least disturbed by other work on the
+machine. The load generator is an aiohttp client in this process: on a small machine every
+process shares the cores, so read ratios within one run, not absolute figures. Writes JSON
+(``--out``) and a PNG (``--plot``, matplotlib).
+
+    python benchmarks/proxy_overhead.py --requests 1000 --concurrency 1 64 256 \\
+        --out results/proxy_overhead.json --plot docs/img/proxy_overhead.png
 """
 
 from __future__ import annotations
@@ -25,11 +46,15 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,34 +198,43 @@ def run_bare(port: int, prefill: str, decode: str) -> None:
 # ---------------------------------------------------------------------- load generator
 
 BODY = {"model": "tiny", "prompt": "hello " * 32, "max_tokens": STREAM_CHUNKS, "temperature": 0}
+WARMUP = 20  # per round
 
 
-async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
-    body = {**BODY, "stream": stream}
+async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
     t0 = time.perf_counter()
-    async with session.post(url, json=body) as r:
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
         if r.status != 200:
             raise RuntimeError(f"{url} answered {r.status}: {await r.text()}")
         await r.read()
     return time.perf_counter() - t0
 
 
-async def load(url: str, stream: bool, concurrency: int, requests: int) -> dict[str, float]:
+async def load(
+    url: str, stream: bool, concurrency: int, requests: int
+) -> tuple[list[float], float]:
+    """``requests`` requests by ``concurrency`` clients in a closed loop, after a warm-up:
+    (latencies in seconds, wall time)."""
+    data = json.dumps({**BODY, "stream": stream}).encode()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(min(50, requests)):  # warm-up: connections, caches
-            await one(session, url, stream)
+        for _ in range(min(WARMUP, requests)):  # warm-up: connections, caches
+            await one(session, url, data)
         latencies: list[float] = []
         todo = iter(range(requests))
 
         async def worker() -> None:
             for _ in todo:
-                latencies.append(await one(session, url, stream))
+                latencies.append(await one(session, url, data))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    latencies.sort()
+    return latencies, wall
+
+
+def summary(latencies: list[float], wall: float) -> dict[str, float]:
+    latencies = sorted(latencies)
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     return {
         "p50_ms": q[49] * 1e3,
@@ -210,7 +244,45 @@ async def load(url: str, stream: bool, concurrency: int, requests: int) -> dict[
     }
 
 
-def wait_http(url: str, timeout: float = 30.0) -> None:
+def measure_cell(
+    contenders: list[Contender], stream: bool, conc: int, n: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """One cell for every contender, in ``rounds`` rounds of n/rounds requests with the order of
+    the contenders rotating, so that a burst of load from elsewhere hits all of them alike."""
+    per_round = max(n // rounds, 2 * conc)
+    lat: dict[str, list[float]] = {c.name: [] for c in contenders}
+    wall = dict.fromkeys(lat, 0.0)
+    cpu = dict.fromkeys(lat, 0.0)
+    sent = dict.fromkeys(lat, 0)
+    for k in range(rounds):
+        for c in contenders[k % len(contenders) :] + contenders[: k % len(contenders)]:
+            cpu0 = tree_cpu_seconds(c.pid) if c.pid else 0.0
+            got, w = asyncio.run(load(c.url + "/v1/completions", stream, conc, per_round))
+            if c.pid:
+                cpu[c.name] += tree_cpu_seconds(c.pid) - cpu0
+            lat[c.name] += got
+            wall[c.name] += w
+            sent[c.name] += per_round + min(WARMUP, per_round)
+    out = {}
+    for c in contenders:
+        out[c.name] = summary(lat[c.name], wall[c.name])
+        if c.pid:
+            out[c.name]["cpu_us_per_request"] = cpu[c.name] / sent[c.name] * 1e6
+    return out
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
     import urllib.request
 
     end = time.monotonic() + timeout
@@ -224,23 +296,6 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
         if time.monotonic() > end:
             raise RuntimeError(f"{url} not ready after {timeout} s")
         time.sleep(0.2)
-
-
-class _TreeCpu:
-    """CPU times of a process and its children (the proxy's workers)."""
-
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-
-    def cpu_seconds(self) -> float:
-        total = 0.0
-        for p in [self.root, *self.root.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
 
 
 def wait_completion(base: str, timeout: float) -> None:
@@ -262,25 +317,218 @@ def wait_completion(base: str, timeout: float) -> None:
             pass
         if time.monotonic() > end:
             raise RuntimeError(f"{base} answered no completion within {timeout} s")
-        time.sleep(1)
+        time.sleep(0.5)
 
 
-def free_port() -> int:
-    import socket
+def tree_cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds of a process and its children (proxy workers, router threads)."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+@dataclass
+class Contender:
+    name: str
+    url: str
+    pid: int | None  # whose CPU time is counted (None: direct)
+
+
+def export_revision(rev: str) -> Path:
+    """The ``splitserve`` package as of git revision ``rev``, in a temporary directory."""
+    root = Path(__file__).resolve().parent.parent
+    out = Path(tempfile.mkdtemp(prefix="splitserve-baseline-"))
+    archive = subprocess.run(
+        ["git", "archive", rev, "splitserve"], cwd=root, check=True, capture_output=True
+    ).stdout
+    tar_path = out / "src.tar"
+    tar_path.write_bytes(archive)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(out, filter="data")
+    return out
+
+
+class Launcher:
+    """Starts the stubs and the contenders; stops all of them on exit."""
+
+    def __init__(self, proxy_workers: int) -> None:
+        self.py = sys.executable
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.workers = proxy_workers
+        p_port, d_port = free_port(), free_port()
+        self.stub_p, self.stub_d = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        # Two stub processes, P and D (SGLang's router refuses one URL in both roles).
+        for port in (p_port, d_port):
+            self.spawn([self.py, __file__, "--stub", str(port)])
+        wait_http(self.stub_p + "/health")
+        wait_http(self.stub_d + "/health")
+
+    def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.procs.append(p)
+        return p
+
+    def splitserve(self, name: str, *extra: str, src: Path | None = None) -> Contender:
+        port = free_port()
+        env = None
+        if src is not None:
+            env = {**os.environ, "PYTHONPATH": str(src)}
+        cmd = [self.py, "-m", "splitserve.cli", "proxy", "--prefill", self.stub_p,
+               "--decode", self.stub_d, "--port", str(port), "--workers", str(self.workers),
+               *extra]  # fmt: skip
+        p = self.spawn(cmd, env)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/ready")
+        return Contender(name, url, p.pid)
+
+    def bare(self) -> Contender:
+        port = free_port()
+        p = self.spawn([self.py, __file__, "--bare", str(port), self.stub_p, self.stub_d])
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/ready")
+        return Contender("bare-aiohttp", url, p.pid)
+
+    def vllm_router(self) -> Contender:
+        port, metrics = free_port(), free_port()
+        exe = shutil.which("vllm-router") or str(Path(self.py).parent / "vllm-router")
+        p = self.spawn(
+            [exe, "--vllm-pd-disaggregation", "--prefill", self.stub_p, "--decode", self.stub_d,
+             "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-port", str(metrics), "--log-level", "warning"]
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        wait_completion(url, timeout=120)
+        return Contender("vllm-router", url, p.pid)
+
+    def sglang_router(self) -> Contender:
+        port, metrics = free_port(), free_port()
+        p = self.spawn(
+            [self.py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+             "--prefill", self.stub_p, "8998", "--decode", self.stub_d,
+             "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-port", str(metrics), "--log-level", "warn"]
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        wait_completion(url, timeout=300)  # it registers its workers after listening
+        return Contender("sglang-router", url, p.pid)
+
+    def close(self) -> None:
+        for p in self.procs[::-1]:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def vllm_router_installed() -> bool:
+    return importlib.util.find_spec("vllm_router") is not None
+
+
+def sglang_router_installed() -> bool:
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+# ---------------------------------------------------------------------- report
+
+
+def print_table(results: list[dict[str, Any]], names: list[str]) -> None:
+    """A markdown table: per cell and contender, p50 / p99 / added p50 / req/s / CPU."""
+    print("\n| stream | conc. | contender | p50 ms | p99 ms | added p50 ms | added p99 ms "
+          "| req/s | req/s vs direct | CPU us/request |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in results:
+        for name in names:
+            r = row[name]
+            if name == "direct":
+                added = ("", "", "")
+            else:
+                p50, p99, ratio = r["added_p50_ms"], r["added_p99_ms"], r["rps_vs_direct"]
+                added = (f"{p50:+.2f}", f"{p99:+.2f}", f"x{ratio:.2f}")
+            cpu = f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else ""
+            print(f"| {'yes' if row['stream'] else 'no'} | {row['concurrency']} | {name} "
+                  f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added[0]} | {added[1]} "
+                  f"| {r['rps']:.0f} | {added[2]} | {cpu} |")  # fmt: skip
+
+
+def plot(results: list[dict[str, Any]], names: list[str], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (the JSON has every figure)")
+        return False
+    concs = sorted({row["concurrency"] for row in results})
+    color = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one color per contender
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
+    for col, stream in enumerate((False, True)):
+        rows = {row["concurrency"]: row for row in results if row["stream"] == stream}
+        xs = [c for c in concs if c in rows]
+        what = "streamed" if stream else "not streamed"
+        for name in names:
+            style = {"color": color[name], "marker": "o", "label": name}
+            if name != "direct":
+                added = [max(rows[c][name]["added_p50_ms"], 1e-2) for c in xs]
+                axes[0][col].plot(xs, added, **style)
+                cpu = [rows[c][name]["cpu_us_per_request"] for c in xs]
+                axes[2][col].plot(xs, cpu, **style)
+            axes[1][col].plot(xs, [rows[c][name]["rps"] for c in xs], **style)
+        axes[0][col].set_title(f"{what}: added p50 latency (dotted: 0.5 ms target)")
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_ylabel("ms over direct (log)")
+        axes[0][col].axhline(0.5, color="grey", ls=":", lw=1)
+        axes[1][col].set_title(f"{what}: throughput")
+        axes[1][col].set_ylabel("requests/s")
+        axes[2][col].set_title(f"{what}: CPU time per request (proxy processes)")
+        axes[2][col].set_ylabel("us")
+        axes[2][col].set_xscale("log", base=2)
+        axes[2][col].set_xticks(concs, [str(c) for c in concs])
+        axes[2][col].set_xlabel("concurrent clients")
+    axes[1][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# ---------------------------------------------------------------------- main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument(
+        "--rounds", type=int, default=3,
+        help="split each cell into this many rounds, the contenders' order rotating",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot (matplotlib)")
     ap.add_argument("--proxy-workers", type=int, default=1, help="splitserve proxy --workers")
+    ap.add_argument(
+        "--baseline", default=None, metavar="REV",
+        help="also run splitserve as of this git revision (sequential flow): before/after",
+    )  # fmt: skip
+    ap.add_argument(
+        "--only", nargs="+", default=None, metavar="NAME",
+        help="run only these contenders (direct always runs)",
+    )  # fmt: skip
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -291,112 +539,101 @@ def main() -> None:
         run_bare(int(args.bare[0]), args.bare[1], args.bare[2])
         return
 
-    py = sys.executable
-    p_port, d_port, proxy_port, bare_port, sg_port, sgp_port, sg_metrics = (
-        free_port() for _ in range(7)
-    )
-    procs: list[subprocess.Popen[bytes]] = []
+    def wanted(name: str) -> bool:
+        return args.only is None or name in args.only
+
+    load_before = os.getloadavg()
+    launcher = Launcher(args.proxy_workers)
+    missing: list[str] = []
     try:
-        # Two stub processes: the prefill and the decode server (SGLang's router refuses one
-        # URL in both roles). `direct` talks to the decode stub.
-        for port in (p_port, d_port):
-            procs.append(subprocess.Popen([py, __file__, "--stub", str(port)]))
-        stub_p, stub_d = (f"http://127.0.0.1:{port}" for port in (p_port, d_port))
-        wait_http(stub_p + "/health")
-        wait_http(stub_d + "/health")
-        procs.append(
-            subprocess.Popen(
-                [py, "-m", "splitserve.cli", "proxy", "--prefill", stub_p, "--decode", stub_d,
-                 "--port", str(proxy_port), "--workers", str(args.proxy_workers)],
-                stdout=subprocess.DEVNULL,
+        contenders = [Contender("direct", launcher.stub_d, None)]
+        if wanted("bare-aiohttp"):
+            contenders.append(launcher.bare())
+        if args.baseline is not None:
+            src = export_revision(args.baseline)
+            contenders.append(launcher.splitserve(f"splitserve@{args.baseline}", src=src))
+        if wanted("splitserve"):
+            contenders.append(launcher.splitserve("splitserve"))
+        if wanted("splitserve-concurrent"):
+            contenders.append(
+                launcher.splitserve(
+                    "splitserve-concurrent", "--flow", "concurrent", "--side-channel-port", "1",
+                    "--no-first-token-from-prefill",
+                )
+            )  # fmt: skip
+        if wanted("splitserve-first-token"):
+            contenders.append(
+                launcher.splitserve(
+                    "splitserve-first-token", "--flow", "concurrent", "--side-channel-port", "1",
+                    "--first-token-from-prefill",
+                )
+            )  # fmt: skip
+        if wanted("vllm-router"):
+            if vllm_router_installed():
+                contenders.append(launcher.vllm_router())
+            else:
+                missing.append("vllm-router")
+        if wanted("sglang-router"):
+            if sglang_router_installed():
+                contenders.append(launcher.sglang_router())
+            else:
+                missing.append("sglang-router")
+        if wanted("splitserve-sglang"):
+            contenders.append(
+                launcher.splitserve(
+                    "splitserve-sglang", "--engine", "sglang", "--bootstrap-port", "8998"
+                )
             )
-        )  # fmt: skip
-        proxy = f"http://127.0.0.1:{proxy_port}"
-        wait_http(proxy + "/ready")
-        proxy_cpu = _TreeCpu(procs[-1].pid)
-        procs.append(subprocess.Popen([py, __file__, "--bare", str(bare_port), stub_p, stub_d]))
-        bare = f"http://127.0.0.1:{bare_port}"
-        wait_http(bare + "/ready")
-        contenders = {"direct": stub_d, "bare-aiohttp": bare, "splitserve": proxy}
-        missing = []
-        if importlib.util.find_spec("sglang_router") is not None:
-            # SGLang's flow (P and D at once, bootstrap fields): its Rust router against ours.
-            procs.append(
-                subprocess.Popen(
-                    [py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                     "--prefill", stub_p, "8998", "--decode", stub_d,
-                     "--host", "127.0.0.1", "--port", str(sg_port),
-                     "--prometheus-port", str(sg_metrics)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
-            )  # fmt: skip
-            procs.append(
-                subprocess.Popen(
-                    [py, "-m", "splitserve.cli", "proxy", "--engine", "sglang",
-                     "--prefill", stub_p, "--bootstrap-port", "8998", "--decode", stub_d,
-                     "--port", str(sgp_port), "--workers", str(args.proxy_workers)],
-                    stdout=subprocess.DEVNULL,
-                )
-            )  # fmt: skip
-            sg_router = f"http://127.0.0.1:{sg_port}"
-            wait_completion(sg_router, timeout=300)  # it registers its workers after listening
-            wait_http(f"http://127.0.0.1:{sgp_port}/ready")
-            contenders["sglang-router"] = sg_router
-            contenders["splitserve-sglang"] = f"http://127.0.0.1:{sgp_port}"
-        else:
-            missing.append("sglang-router")
-        if shutil.which("vllm-router") is None:
-            missing.append("vllm-router")
-        try:
-            import vllm.entrypoints.disagg_proxy  # noqa: F401  (not shipped in the 0.32 wheel)
-        except ImportError:
-            missing.append("vllm toy proxy")
+        names = [c.name for c in contenders]
+        print("contenders:", ", ".join(names), flush=True)
         results: list[dict[str, Any]] = []
         for stream in (False, True):
-            for c in args.concurrency:
-                n = max(args.requests, 4 * c)
-                row: dict[str, Any] = {"stream": stream, "concurrency": c}
-                for name, base in contenders.items():
-                    cpu0 = proxy_cpu.cpu_seconds()
-                    row[name] = asyncio.run(load(base + "/v1/completions", stream, c, n))
-                    cpu1 = proxy_cpu.cpu_seconds()
-                    if name == "splitserve":  # warm-up requests included: an upper bound
-                        used = cpu1 - cpu0
-                        row[name]["cpu_us_per_request"] = used / (n + min(50, n)) * 1e6
+            for conc in args.concurrency:
+                n = max(args.requests, 4 * conc)
+                row: dict[str, Any] = {"stream": stream, "concurrency": conc, "requests": n}
+                row.update(measure_cell(contenders, stream, conc, n, args.rounds))
                 d = row["direct"]
-                parts = [f"stream={stream!s:5} c={c:<4}"]
-                for name in contenders:
+                for name in names[1:]:
                     r = row[name]
-                    part = f"{name} p50 {r['p50_ms']:.2f} p99 {r['p99_ms']:.2f} ms {r['rps']:.0f}/s"
-                    if name != "direct":
-                        r["added_p50_ms"] = r["p50_ms"] - d["p50_ms"]
-                        r["added_p99_ms"] = r["p99_ms"] - d["p99_ms"]
-                        r["rps_vs_direct"] = r["rps"] / d["rps"]
-                        part += f" (added p50 {r['added_p50_ms']:+.2f} ms)"
-                    parts.append(part)
-                s = row["splitserve"]
-                parts.append(
-                    f"splitserve/bare: rps x{s['rps'] / row['bare-aiohttp']['rps']:.2f}, "
-                    f"{s['cpu_us_per_request']:.0f} us CPU/request"
-                )
-                if "sglang-router" in row:
-                    ratio = row["splitserve-sglang"]["rps"] / row["sglang-router"]["rps"]
-                    parts.append(f"splitserve-sglang/sglang-router: rps x{ratio:.2f}")
+                    r["added_p50_ms"] = r["p50_ms"] - d["p50_ms"]
+                    r["added_p99_ms"] = r["p99_ms"] - d["p99_ms"]
+                    r["rps_vs_direct"] = r["rps"] / d["rps"]
                 results.append(row)
+                parts = [f"stream={stream!s:5} c={conc:<4}"]
+                for name in names:
+                    r = row[name]
+                    parts.append(
+                        f"{name} p50 {r['p50_ms']:.2f} ms"
+                        + (f" ({r['added_p50_ms']:+.2f})" if name != "direct" else "")
+                        + f" {r['rps']:.0f}/s"
+                    )
                 print(" | ".join(parts), flush=True)
-        if missing:
-            print("not installed here, not measured:", ", ".join(missing))
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"results": results, "not_measured": missing}, indent=2))
     finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        launcher.close()
+    load_after = os.getloadavg()
+    print_table(results, names)
+    print(f"\nload average before {load_before}, after {load_after} ({os.cpu_count()} CPUs)")
+    if missing:
+        print("not installed here, not measured:", ", ".join(missing))
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "argv": sys.argv[1:],
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({"meta": meta, "results": results, "not_measured": missing}, indent=2)
+        )
+    if args.plot:
+        title = (
+            f"proxy overhead on stub backends, {meta['date']}, {os.cpu_count()} CPUs, "
+            f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} (noisy: read ratios)"
+        )
+        if plot(results, names, args.plot, title):
+            print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
