@@ -8,7 +8,8 @@ engine; it runs in the thread that calls it (NIXL's own progress thread is off b
 keeps a whole core busy, see ENVIRONMENT.md, so callers poll through ``check``/``notifications``).
 
 Invariants:
-- Every block id is validated against the layout it indexes before anything is posted.
+- Every block id is validated against the layer of the layout it indexes before anything is
+  posted (layers may hold different numbers of blocks, see ``KVLayout``).
 - A handle is released exactly once, by ``release``; a failed post leaves nothing behind.
 """
 
@@ -183,9 +184,16 @@ class KVAgent:
         n_layers = len(self.layout.layers)
         if any(not 0 <= layer < n_layers for layer in layers):
             raise ValueError(f"layer index outside 0..{n_layers - 1}")
-        self.layout.validate_block_ids(local_blocks, "local block")
-        peer.layout.validate_block_ids(remote_blocks, f"block of peer {peer_name}")
         layer_arr = np.asarray(layers, dtype=np.int64)
+        for layer_id in np.unique(layer_arr):
+            sel = layer_arr == layer_id
+            layer = int(layer_id)
+            self.layout.validate_block_ids(
+                np.asarray(local_blocks)[sel].tolist(), "local block", layer
+            )
+            peer.layout.validate_block_ids(
+                np.asarray(remote_blocks)[sel].tolist(), f"block of peer {peer_name}", layer
+            )
         local_idx = self._index.indices(layer_arr, np.asarray(local_blocks, dtype=np.int64))
         remote_idx = peer.index.indices(layer_arr, np.asarray(remote_blocks, dtype=np.int64))
         num_bytes = sum(self.layout.layers[layer].block_bytes for layer in layers)

@@ -12,6 +12,10 @@ Invariants:
   cache; nothing is posted for an id that fails it.
 - Two layouts are compatible only if they have the same layers, block size in tokens and
   per-block run lengths: then block ``b`` of layer ``l`` copies run by run.
+- Layers may hold different numbers of blocks; a block id is checked against its own layer.
+  The last ``aux_layers`` layers are not KV: they hold one row per request slot (engine metadata
+  such as the first output token, SGLang's ``aux`` buffers) and travel once per transfer, with
+  DONE. ``num_kv_layers`` and ``num_blocks`` speak of the KV layers only.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MemoryKind = Literal["DRAM", "VRAM"]
 
@@ -52,14 +56,28 @@ class KVLayout(BaseModel):
     memory: MemoryKind = "DRAM"
     device_id: int = 0
     layers: tuple[LayerLayout, ...]
+    aux_layers: int = Field(
+        0, ge=0, description="the last this many layers are per-request rows, not KV blocks"
+    )
+
+    @model_validator(mode="after")
+    def _some_kv_layers(self) -> KVLayout:
+        if self.aux_layers >= len(self.layers):
+            raise ValueError(f"{self.aux_layers} aux layers leave no KV layer")
+        return self
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.layers) - self.aux_layers
 
     @property
     def num_blocks(self) -> int:
-        return min(layer.num_blocks for layer in self.layers)
+        """KV blocks per layer (the smallest KV layer's count)."""
+        return min(layer.num_blocks for layer in self.layers[: self.num_kv_layers])
 
     @property
     def bytes_per_block_all_layers(self) -> int:
-        return sum(layer.block_bytes for layer in self.layers)
+        return sum(layer.block_bytes for layer in self.layers[: self.num_kv_layers])
 
     def incompatibility(self, other: KVLayout) -> str | None:
         """Why blocks cannot be copied between ``self`` and ``other`` (None when they can)."""
@@ -67,14 +85,19 @@ class KVLayout(BaseModel):
             return f"block size {self.block_size} != peer's {other.block_size}"
         if len(self.layers) != len(other.layers):
             return f"{len(self.layers)} layers != peer's {len(other.layers)}"
+        if self.aux_layers != other.aux_layers:
+            return f"{self.aux_layers} aux layers != peer's {other.aux_layers}"
         for index, (mine, theirs) in enumerate(zip(self.layers, other.layers, strict=True)):
             if [n for _, n in mine.runs] != [n for _, n in theirs.runs]:
                 return f"layer {index}: block runs {mine.runs} != peer's {theirs.runs}"
         return None
 
-    def validate_block_ids(self, block_ids: Iterable[int], what: str) -> None:
-        """Raise ``ValueError`` naming ``what`` if any id lies outside the cache."""
-        limit = self.num_blocks
+    def validate_block_ids(
+        self, block_ids: Iterable[int], what: str, layer: int | None = None
+    ) -> None:
+        """Raise ``ValueError`` naming ``what`` if any id lies outside the cache (outside
+        ``layer`` when given, else outside every KV layer)."""
+        limit = self.num_blocks if layer is None else self.layers[layer].num_blocks
         for block_id in block_ids:
             try:
                 index = operator.index(block_id)

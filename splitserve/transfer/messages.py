@@ -88,6 +88,13 @@ class Register(_Message):
         "registers every prompt token, not all but the last). Absent on the wire when unset, "
         "so a peer that predates the field still understands every other registration.",
     )
+    aux_row: int | None = Field(
+        None,
+        ge=0,
+        description="D's row in the layout's aux layers (per-request engine metadata, e.g. "
+        "SGLang's first output token): P writes its own row there with DONE. Absent when the "
+        "layout has no aux layers.",
+    )
 
 
 class Done(_Message):

@@ -4,10 +4,11 @@ Engine-agnostic; runs in the thread that owns D's KV cache (vLLM worker, SGLang 
 the push strategy D posts nothing: P writes into D's registered memory and D only learns, from
 the DONE notification that rides on P's last WRITE, that its blocks are filled.
 
-    expect(tid, host, port, block_ids, token_offset, first_token=False)
+    expect(tid, host, port, block_ids, token_offset, first_token=False, aux_row=None)
                                                        HELLO (first contact) + REGISTER to P;
                                                        first_token: DONE must bring P's first
-                                                       output token (Outcome.first_token)
+                                                       output token (Outcome.first_token);
+                                                       aux_row: our row in the aux layers
     release_remote(tid, host, port)                   tell P we need nothing (empty REGISTER)
     abort(tid, reason)                                 our request is gone: ABORT to P
     poll() -> {tid: Outcome}                           transfers settled since the last call
@@ -109,12 +110,20 @@ class KVReceiver:
         block_ids: list[int],
         token_offset: int,
         first_token: bool = False,
+        aux_row: int | None = None,
     ) -> None:
         """Register ``block_ids`` (ours, for logical blocks from ``token_offset // B``) with P;
-        ``first_token``: ask P to send its first output token with DONE."""
+        ``first_token``: ask P to send its first output token with DONE; ``aux_row``: our row
+        in the layout's aux layers, which P fills with the final WRITE (required when the
+        layout has aux layers)."""
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id} already expected")
-        self.agent.layout.validate_block_ids(block_ids, "local block to receive")
+        layout = self.agent.layout
+        layout.validate_block_ids(block_ids, "local block to receive")
+        if (aux_row is None) != (layout.aux_layers == 0):
+            raise ValueError(f"aux_row {aux_row!r} with {layout.aux_layers} aux layers")
+        if aux_row is not None:
+            layout.validate_block_ids([aux_row], "local aux row", layout.num_kv_layers)
         peer = self._peer(host, port)
         record = Transfer(transfer_id, S.REGISTERED, deadline=self.clock() + self.done_timeout_s)
         self._transfers[transfer_id] = _Incoming(record, peer, len(block_ids), first_token)
@@ -126,6 +135,7 @@ class KVReceiver:
                 block_ids=[list(block_ids)],
                 token_offset=token_offset,
                 first_token=True if first_token else None,
+                aux_row=aux_row,
             ),
         )
 

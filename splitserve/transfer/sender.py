@@ -9,7 +9,9 @@ engine adapter drives it per step:
     finish_request / cancel  the engine finished (lease starts; with the request's first
                              output token when it has one) or dropped the request
     poll() -> released ids   control messages, completions, DONE, leases; ids whose blocks may
-                             be freed now
+                             be freed now (``poll_settled``: with their final records)
+    registration_of(tid)     D's REGISTER for an id, even before ``add_request`` (an engine
+                             that learns the request's length only after D registered)
 
 Block arithmetic (B tokens per block, N prompt tokens, c tokens computed so far): blocks
 ``[0, c // B)`` are complete, all ``ceil(N / B)`` once ``c >= N``. D registers its blocks for
@@ -21,6 +23,11 @@ posted after every other WRITE of the transfer has completed, so it arrives afte
 When D's registration asks for the first output token (``Register.first_token``), DONE also
 waits for ``finish_request`` to bring it (the engine knows the token only once the step that
 completed the prompt has sampled it) and carries it to D.
+
+Aux rows (layouts with ``aux_layers``, e.g. SGLang's metadata buffers): the request's row
+(``add_request(..., aux_row=)``) is written into D's row (``Register.aux_row``) by the final
+WRITE itself, which carries DONE; it is posted once every KV WRITE completed and the engine
+called ``finish_request`` (the engine fills the row when it samples the first token).
 
 Invariants:
 - Nothing is posted for a block id that fails validation against either cache.
@@ -90,6 +97,9 @@ class _Outgoing:
     prefill_end_wall: float | None = None
     wants_token: bool = False  # D asked for the first output token in DONE
     first_token: int | None = None
+    aux_row: int | None = None  # P's row in the aux layers
+    dst_aux_row: int | None = None  # D's row, from its registration
+    registration: messages.Register | None = None
 
     @property
     def end(self) -> int:
@@ -118,7 +128,8 @@ class KVSender:
         self.channel = channel
         self.layout: KVLayout = agent.layout
         self.block_size = agent.layout.block_size
-        self.num_layers = len(agent.layout.layers)
+        self.num_layers = agent.layout.num_kv_layers
+        self.aux_layers = list(range(self.num_layers, len(agent.layout.layers)))
         self.lease_s = lease_s
         self.clock = clock
         self.stats = SenderStats()
@@ -132,11 +143,19 @@ class KVSender:
 
     # -- engine-driven lifecycle -------------------------------------------------------------
 
-    def add_request(self, transfer_id: str, num_tokens: int) -> None:
-        """A request whose KV goes to a D; ``num_tokens`` is the prompt length P computes."""
+    def add_request(self, transfer_id: str, num_tokens: int, aux_row: int | None = None) -> None:
+        """A request whose KV goes to a D; ``num_tokens`` is the prompt length P computes,
+        ``aux_row`` its row in the aux layers (layouts with aux layers only)."""
         if transfer_id in self._transfers:
             return
-        out = _Outgoing(Transfer(transfer_id, S.AWAITING_REGISTRATION), num_tokens=num_tokens)
+        if (aux_row is None) != (not self.aux_layers):
+            n_aux = len(self.aux_layers)
+            raise ValueError(f"transfer {transfer_id}: aux_row {aux_row!r} with {n_aux} aux layers")
+        if aux_row is not None:
+            self.layout.validate_block_ids([aux_row], "local aux row", self.aux_layers[0])
+        out = _Outgoing(
+            Transfer(transfer_id, S.AWAITING_REGISTRATION), num_tokens=num_tokens, aux_row=aux_row
+        )
         self._transfers[transfer_id] = out
         if transfer_id in self._tombstones:  # D aborted before we heard of the request
             out.record.transition(S.ABORTED, "receiver aborted before the request arrived")
@@ -160,7 +179,10 @@ class KVSender:
         self._stepping = True
 
     def layer_done(self, layer: int) -> None:
-        """Post this layer's blocks completed by the running step, for registered transfers."""
+        """Post this layer's blocks completed by the running step, for registered transfers.
+        A layer reported twice in one step is posted once."""
+        if layer in self._layers_seen:
+            return
         self._layers_seen.add(layer)
         for out in self._in_step:
             if out.record.state is not S.STREAMING or out.step_computed is None:
@@ -206,7 +228,9 @@ class KVSender:
     def cancel(self, transfer_id: str, reason: str) -> None:
         """The engine dropped the request (aborted, preempted): stop and tell D."""
         self._tombstones[transfer_id] = self.clock() + self.lease_s
-        self._orphans.pop(transfer_id, None)
+        orphan = self._orphans.pop(transfer_id, None)
+        if orphan is not None:  # D registered already: it must not wait for DONE
+            self._refuse(orphan.peer, transfer_id, f"cancelled on the prefill side: {reason}")
         out = self._transfers.get(transfer_id)
         if out is None:
             return
@@ -217,13 +241,18 @@ class KVSender:
 
     def poll(self) -> set[str]:
         """Drive messages, completions and leases; ids whose blocks may be freed now."""
+        return set(self.poll_settled())
+
+    def poll_settled(self) -> dict[str, Transfer]:
+        """``poll``, answering each released id's final record (state and reason)."""
         if not self._stepping:
             self._process_inbox()
         now = self.clock()
         for out in list(self._transfers.values()):
             self._settle_handles(out)
             if out.record.state is S.FLUSHING and not out.handles and out.carrier is None:
-                if not out.wants_token or out.first_token is not None:
+                aux_ready = out.dst_aux_row is None or out.request_finished
+                if aux_ready and (not out.wants_token or out.first_token is not None):
                     self._post_carrier(out)
                 elif out.request_finished:
                     self._fail(out, "the request finished without a first token for D")
@@ -237,15 +266,26 @@ class KVSender:
         for tid, until in list(self._tombstones.items()):
             if now >= until:
                 del self._tombstones[tid]
-        released: set[str] = set()
+        released: dict[str, Transfer] = {}
         for tid, out in list(self._transfers.items()):
             if not out.record.state.terminal or out.handles or out.carrier is not None:
                 continue
             self._notify_peer_of_end(out)
             if out.request_finished:
-                released.add(tid)
+                released[tid] = out.record
                 del self._transfers[tid]
         return released
+
+    def registration_of(self, transfer_id: str) -> messages.Register | None:
+        """D's registration for ``transfer_id`` if one arrived (also while the request is not
+        known here yet); reads the side channel first when no step is running."""
+        if not self._stepping:
+            self._process_inbox()
+        out = self._transfers.get(transfer_id)
+        if out is not None:
+            return out.registration
+        orphan = self._orphans.get(transfer_id)
+        return orphan.message if orphan is not None else None
 
     def state_of(self, transfer_id: str) -> TransferState | None:
         out = self._transfers.get(transfer_id)
@@ -281,7 +321,8 @@ class KVSender:
         self.stats.bytes_sent += handle.num_bytes
 
     def _post_carrier(self, out: _Outgoing) -> None:
-        """The final WRITE (last block of the last layer, already sent, idempotent) with DONE."""
+        """The final WRITE with DONE: the aux rows when the transfer has them, else the last
+        block of the last layer again (already sent: an idempotent copy)."""
         done = messages.Done(
             transfer_id=out.record.transfer_id,
             num_blocks=len(out.dst_blocks),
@@ -290,15 +331,13 @@ class KVSender:
         )
         notif = messages.encode(done, self.channel.auth_key)
         last = self.num_layers - 1
+        if out.dst_aux_row is not None:
+            n_aux = len(self.aux_layers)
+            layers, src, dst = self.aux_layers, [out.aux_row] * n_aux, [out.dst_aux_row] * n_aux
+        else:
+            layers, src, dst = [last], [out.block_ids[out.end - 1]], [out.dst_blocks[-1]]
         try:
-            out.carrier = self.agent.post(
-                "WRITE",
-                out.peer_agent,
-                [last],
-                [out.block_ids[out.end - 1]],
-                [out.dst_blocks[-1]],
-                notif=notif,
-            )
+            out.carrier = self.agent.post("WRITE", out.peer_agent, layers, src, dst, notif=notif)
         except (TransferPostError, ValueError) as exc:
             self._fail(out, f"DONE not posted: {exc}")
 
@@ -406,13 +445,18 @@ class KVSender:
         out.dst_blocks = list(reg.block_ids[0]) if reg.block_ids else []
         out.sent_upto = out.first
         out.wants_token = bool(reg.first_token)
+        out.dst_aux_row = reg.aux_row
+        out.registration = reg
         out.record.deadline = None
-        if not out.dst_blocks:
+        if not out.dst_blocks and out.dst_aux_row is None:
             out.record.transition(S.COMPLETED, "receiver needs no blocks")
             out.notified_peer = True
             self.stats.transfers_completed += 1
             return
         out.record.transition(S.STREAMING)
+        if not out.dst_blocks:  # D needs only the aux rows
+            out.record.transition(S.FLUSHING)
+            return
         hi = min(self._ready_blocks(out), out.end)
         if hi > out.sent_upto:  # bulk: everything completed before the registration came
             self._post(out, list(range(self.num_layers)), out.sent_upto, hi)
@@ -432,9 +476,13 @@ class KVSender:
             return f"asks blocks {first}..{first + len(dst) - 1}, request has {total}"
         if len(set(dst)) != len(dst):
             return "duplicate destination block ids"
+        if (reg.aux_row is None) != (out.aux_row is None):
+            return f"aux row {reg.aux_row!r}, this request's is {out.aux_row!r}"
         try:
             peer = self.agent._peers[reg.agent_name].layout  # noqa: SLF001 (same package)
             peer.validate_block_ids(dst, "registered block")
+            if reg.aux_row is not None:
+                peer.validate_block_ids([reg.aux_row], "registered aux row", self.aux_layers[0])
         except (KeyError, ValueError) as exc:
             return str(exc)
         return None

@@ -13,15 +13,11 @@ import pytest
 
 SGLANG_PD_CHUNK = 64
 SGLANG_START_TIMEOUT = 600.0
-# Stock NIXL agents (SGLang's nixl backend, vLLM's NixlConnector) run a progress thread that
-# polls with no delay, a full core even while idle: such servers run at a lower priority so
-# that they do not starve the processes that start or compute beside them.
-NIXL_SPINNER_NICE = 10
 
 
 @dataclass(frozen=True)
 class SglangPD:
-    """A real SGLang PD pair (SGLang's own nixl backend on host memory) and SGLang's router."""
+    """A real SGLang PD pair (splitserve's transfer backend on host memory) and SGLang's router."""
 
     prefill_url: str
     decode_url: str
@@ -32,9 +28,10 @@ class SglangPD:
 
 @pytest.fixture(scope="module")
 def sglang_pd(servers, tiny_model) -> SglangPD:
-    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode`` / ``sglang-router``: P and D chunk
-    prefill by ``SGLANG_PD_CHUNK`` tokens; the CPU shim (tests/shims/sglang_cpu,
-    ``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``) registers SGLang's host buffers as host memory."""
+    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode`` / ``sglang-router``: P and D run
+    ``--disaggregation-transfer-backend splitserve`` (registered by splitserve's SGLang plugin)
+    and chunk prefill by ``SGLANG_PD_CHUNK`` tokens. Our backend registers host memory as host
+    memory and runs no NIXL progress thread, so no CPU shim and no nice level."""
     pytest.importorskip("sglang")
     pytest.importorskip("sglang_router")
     from splitserve.connectors.sglang.launch import sglang_router, sglang_server
@@ -44,17 +41,15 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
     model = str(tiny_model)
     if "sglang-pd-prefill" not in group.servers:
         p_port, d_port, bootstrap = free_ports(3)
-        env = {"SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM": "1"}
         common = dict(
             served_model_name="tiny",
-            transfer_backend="nixl",
+            transfer_backend="splitserve",
             chunked_prefill_size=SGLANG_PD_CHUNK,
-            env=env,
         )
         p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
         d = sglang_server(model, d_port, mode="decode", **common)
-        group.add("sglang-pd-prefill", p.argv, port=p_port, env=p.env, nice=NIXL_SPINNER_NICE)
-        group.add("sglang-pd-decode", d.argv, port=d_port, env=d.env, nice=NIXL_SPINNER_NICE)
+        group.add("sglang-pd-prefill", p.argv, port=p_port, env=p.env)
+        group.add("sglang-pd-decode", d.argv, port=d_port, env=d.env)
     names = ["sglang-pd-prefill", "sglang-pd-decode"]
     group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
     p_server = group.servers["sglang-pd-prefill"]

@@ -1,12 +1,11 @@
-"""The proxy in front of a real SGLang prefill/decode pair (SGLang's own NIXL transfer backend on
-host memory; the shared ``sglang_pd`` fixture, tests/integration/conftest.py), checked against
+"""The proxy in front of a real SGLang prefill/decode pair (splitserve's transfer backend on host
+memory; the shared ``sglang_pd`` fixture, tests/integration/conftest.py), checked against
 SGLang's own router on the same pair: same greedy text, streamed and not, through the official
 ``openai`` client.
 
 Needs the SGLang test environment (scripts/install_sglang_cpu.sh, e.g. ``.venv-sglang``); skipped
-where SGLang is not installed (the vLLM-only venv). SGLang's own NIXL backend labels host buffers
-as GPU memory; the environment's CPU shim (``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``) registers
-them as host memory. The pair is the one tests/integration/test_sglang_pd.py uses.
+where SGLang is not installed (the vLLM-only venv). The pair is the one
+tests/integration/test_sglang_pd.py uses.
 """
 
 from __future__ import annotations

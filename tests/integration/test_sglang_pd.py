@@ -3,9 +3,9 @@
 and longer than the chunk (so prefill chunks), concurrent requests and a repeated prompt (a
 radix-cache hit on the prefill side).
 
-The pair (the shared ``sglang_pd`` fixture, tests/integration/conftest.py) runs SGLang's own
-``nixl`` transfer backend, made to work on a CPU by the test shim (tests/shims/sglang_cpu).
-splitserve's own SGLang backend is not built yet (docs/sglang.md).
+The pair (the shared ``sglang_pd`` fixture, tests/integration/conftest.py) runs splitserve's own
+transfer backend (``--disaggregation-transfer-backend splitserve``, docs/sglang.md); SGLang's
+``nixl`` backend appears only in benchmarks/handoff.py.
 """
 
 from __future__ import annotations

@@ -6,9 +6,14 @@ before it applies the hooks registered with its ``HookRegistry``. SGLang only lo
 exception, so nothing here raises for a user's setting: checks that must stop start-up run in the
 scheduler's constructor (see ``splitserve.schedulers.sglang``).
 
-What it registers: the adaptive chunk budget hooks (``splitserve.schedulers.sglang``), only when
-``$SPLITSERVE_ADAPTIVE_BUDGET`` is set. The ``splitserve`` transfer backend is not built yet;
-``splitserve.connectors.sglang.registry`` holds the (tested) mechanism that will register it.
+What it registers:
+- the ``splitserve`` transfer backend (``--disaggregation-transfer-backend splitserve``; enum
+  member, CLI choice and class lookup through ``splitserve.connectors.sglang.registry``; the
+  classes, ``splitserve.connectors.sglang.conn``, are imported on the first lookup only), and
+  its layer-wise hooks on the prefill side (``splitserve.connectors.sglang.layerwise``, inert
+  unless a splitserve prefill manager exists in the process);
+- the adaptive chunk budget hooks (``splitserve.schedulers.sglang``), only when
+  ``$SPLITSERVE_ADAPTIVE_BUDGET`` is set.
 
 Invariant: idempotent per process (a second call registers nothing twice).
 """
@@ -28,8 +33,18 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from splitserve.connectors.sglang import layerwise, registry
     from splitserve.schedulers import sglang as budget
+
+    registry.register_transfer_backend("splitserve", _backend_classes)
+    layerwise.register_hooks()
 
     if budget.hooks_wanted(os.environ):
         budget.register_hooks()
         logger.info("splitserve: adaptive chunk budget hooks registered (pid %d)", os.getpid())
+
+
+def _backend_classes() -> dict[str, type]:
+    from splitserve.connectors.sglang import conn
+
+    return conn.classes()

@@ -1,0 +1,142 @@
+"""The ``splitserve`` SGLang backend's data path: settings, KV layout and the transport objects.
+
+Runs in SGLang's scheduler process (one per prefill or decode server), called by the manager in
+``splitserve.connectors.sglang.conn``. Imports no SGLang: it turns what SGLang's ``KVArgs`` lists
+(pointer, byte length and per-page byte length of every KV buffer and every aux buffer) into a
+``splitserve.transfer.KVLayout`` and builds the same ``KVAgent`` / ``SideChannel`` /
+``KVSender`` / ``KVReceiver`` the vLLM connector uses (no second transport).
+
+Layout: one layout layer per SGLang KV buffer (``MHATokenToKVPool`` keeps ``k_buffer[l]`` and
+``v_buffer[l]`` apart, listed k0..k(L-1) then v0..v(L-1)), one block per page; then one aux layer
+per metadata buffer (first output token, logprobs, ...: one row per request slot), which travel
+once per transfer with DONE. Memory is registered with its real kind: host memory is ``DRAM``.
+
+Settings come from the server's environment (SGLang has no per-backend config):
+
+- ``SPLITSERVE_SGLANG_AUTH_KEY`` (none): shared secret; control messages carry an HMAC under it.
+- ``SPLITSERVE_SGLANG_LEASE_S`` (300): P holds a registration for a room it does not know yet,
+  and a finished request's pages waiting for one, this long.
+- ``SPLITSERVE_SGLANG_DONE_TIMEOUT_S`` (300): D fails a transfer whose DONE has not come this
+  long after its registration.
+- ``SPLITSERVE_SGLANG_ABORT_ACK_TIMEOUT_S`` (5): D waits this long for P's ABORT_ACK.
+- ``SPLITSERVE_SGLANG_LAYERWISE`` (1): P posts each layer's WRITE as the KV pool stores it;
+  0: per chunk, after the forward.
+- ``SPLITSERVE_SGLANG_UCX_PARAMS`` (``{}``): extra UCX backend parameters (JSON, strings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from splitserve.transfer.layout import KVLayout, LayerLayout, MemoryKind
+
+ENV_PREFIX = "SPLITSERVE_SGLANG_"
+
+
+class BackendSettingsError(ValueError):
+    """A ``SPLITSERVE_SGLANG_*`` variable is invalid; the message names it."""
+
+
+class BackendSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    auth_key: str | None = None
+    lease_s: float = Field(300.0, gt=0)
+    done_timeout_s: float = Field(300.0, gt=0)
+    abort_ack_timeout_s: float = Field(5.0, gt=0)
+    layerwise: bool = True
+    ucx_params: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> BackendSettings:
+        env = os.environ if env is None else env
+        raw: dict[str, object] = {}
+        for name in cls.model_fields:
+            value = env.get(ENV_PREFIX + name.upper())
+            if value is None or value == "":
+                continue
+            if name == "ucx_params":
+                try:
+                    raw[name] = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise BackendSettingsError(f"{ENV_PREFIX}UCX_PARAMS: not JSON: {exc}") from exc
+            else:
+                raw[name] = value
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = [
+                f"{ENV_PREFIX}{str(err['loc'][0]).upper()}: {err['msg']}" for err in exc.errors()
+            ]
+            raise BackendSettingsError("; ".join(problems)) from exc
+
+
+def _layers(ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int], what: str):
+    if not (len(ptrs) == len(lens) == len(item_lens)):
+        raise ValueError(f"{what}: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)}")
+    out = []
+    for i, (ptr, length, item) in enumerate(zip(ptrs, lens, item_lens, strict=True)):
+        if item <= 0 or length < item:
+            raise ValueError(f"{what} {i}: {length} bytes cannot hold one {item}-byte item")
+        runs = ((0, item),)
+        out.append(
+            LayerLayout(base_addr=ptr, block_stride=item, num_blocks=length // item, runs=runs)
+        )
+    return out
+
+
+def layout_from_buffers(
+    *,
+    kv_ptrs: Sequence[int],
+    kv_lens: Sequence[int],
+    kv_item_lens: Sequence[int],
+    aux_ptrs: Sequence[int],
+    aux_lens: Sequence[int],
+    aux_item_lens: Sequence[int],
+    page_size: int,
+    memory: MemoryKind,
+    device_id: int = 0,
+) -> KVLayout:
+    """The KV layout of SGLang's buffers as ``KVArgs`` lists them (one item = one page of a KV
+    buffer, or one request row of an aux buffer)."""
+    if not kv_ptrs:
+        raise ValueError("no KV buffers to describe")
+    kv = _layers(kv_ptrs, kv_lens, kv_item_lens, "KV buffer")
+    aux = _layers(aux_ptrs, aux_lens, aux_item_lens, "aux buffer")
+    return KVLayout(
+        block_size=page_size,
+        memory=memory,
+        device_id=device_id,
+        layers=tuple(kv + aux),
+        aux_layers=len(aux),
+    )
+
+
+def layout_layers_of_model_layers(
+    num_buffers: int, layer_ids: Sequence[int], start_layer: int
+) -> dict[int, list[int]]:
+    """Model layer id -> the layout layers (KV buffers) that hold its KV.
+
+    ``layer_ids`` is ``KVArgs.kv_layer_ids`` (one global layer id per buffer) when SGLang gives
+    it; plain MHA pools give none and list k0..k(L-1) then v0..v(L-1) from ``start_layer``.
+    """
+    out: dict[int, list[int]] = {}
+    if layer_ids:
+        for index, layer_id in enumerate(layer_ids[:num_buffers]):
+            out.setdefault(int(layer_id), []).append(index)
+        return out
+    if num_buffers % 2:
+        raise ValueError(f"{num_buffers} KV buffers: expected K and V buffers per layer")
+    half = num_buffers // 2
+    for i in range(half):
+        out[start_layer + i] = [i, half + i]
+    return out
+
+
+def agent_name(role: str) -> str:
+    return f"splitserve-sglang-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
