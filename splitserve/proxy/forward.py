@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from splitserve.proxy import dispatch, first_token
+from splitserve.proxy import dispatch, first_token, jsonio
 from splitserve.proxy.config import ProxyConfig
 from splitserve.proxy.errors import (
     ProxyError,
@@ -98,7 +98,6 @@ class Forwarder:
         self.tracker = tracker
         self.metrics = metrics
         t = config.timeouts
-        self._connect_s = t.connect_s
         self._first_byte_s = t.first_byte_s
         self._idle_s = t.stream_idle_s
         self._headers = {"Content-Type": "application/json"}
@@ -250,12 +249,6 @@ class Forwarder:
 
     # ------------------------------------------------------------------ upstream calls
 
-    def _timeout(self, deadline: float) -> aiohttp.ClientTimeout:
-        """aiohttp's own bounds: connect, and the whole deadline as a backstop. The first-byte
-        and idle bounds are applied around the reads (they differ per read)."""
-        remaining = max(0.001, deadline - asyncio.get_running_loop().time())
-        return aiohttp.ClientTimeout(total=remaining, sock_connect=self._connect_s)
-
     def _map_error(self, e: BaseException, b: Backend, what: str) -> UpstreamError:
         where = f"{b.pool} server {b.url}"
         if isinstance(e, aiohttp.ConnectionTimeoutError):
@@ -325,11 +318,10 @@ class Forwarder:
     async def _post_read(
         self, b: Backend, path: str, payload: dict[str, Any], deadline: float
     ) -> tuple[int, bytes]:
+        # No timeout object per request: the session bounds the connect, the caller the rest.
+        # No redirects: the proxy only ever connects to the configured servers.
         async with self.session.post(
-            b.url + path,
-            data=json.dumps(payload).encode(),
-            headers=self._headers,
-            timeout=self._timeout(deadline),
+            b.url + path, data=jsonio.dumps(payload), headers=self._headers, allow_redirects=False
         ) as resp:
             return resp.status, await resp.read()
 
@@ -338,10 +330,7 @@ class Forwarder:
     ) -> tuple[aiohttp.ClientResponse, bytes]:
         """D's response with its first chunk (streaming) or its whole body (not)."""
         resp = await self.session.post(
-            d.url + path,
-            data=json.dumps(payload).encode(),
-            headers=self._headers,
-            timeout=self._timeout(deadline),
+            d.url + path, data=jsonio.dumps(payload), headers=self._headers, allow_redirects=False
         )
         try:
             if resp.status != 200 or not stream:

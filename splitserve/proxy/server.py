@@ -73,9 +73,23 @@ class ProxyState:
         )
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        # One keep-alive pool for every upstream request (TCP_NODELAY is on: uvloop and asyncio
+        # set it on every TCP socket). Idle connections are dropped after 4 s, before the
+        # engines' servers close them (uvicorn's keep-alive timeout is 5 s): reusing a
+        # connection the server is closing would fail a request that cannot be retried.
+        connector = aiohttp.TCPConnector(
+            limit=0, ttl_dns_cache=300, keepalive_timeout=4.0, enable_cleanup_closed=True
+        )
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector,
+            # Bodies are relayed as they come, so ask for none compressed (and decompress none).
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+            # The engines set no cookies that matter; a jar would be filtered on every request.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # Connect bound only: every read is bounded by the forwarder's own deadlines
+            # (first byte, stream idle, total), without a timer object per request here.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.connect_s),
         )
         upstream_headers = {}
         if self.config.upstream_api_key is not None:
