@@ -1,0 +1,258 @@
+"""SGLang rows of the handoff benchmark (``benchmarks/handoff.py`` runs them with its own rows).
+
+Same model preset (``bench``), prompt lengths, fresh random prompts and greedy decoding as the
+vLLM rows, on one machine; SGLang servers on the CPU (``splitserve.connectors.sglang.launch``):
+
+- ``sglang-colocated``: one unified SGLang server (no transfer), the reference;
+- ``sglang-splitserve``: a PD pair with ``--disaggregation-transfer-backend splitserve`` (our
+  backend: KV pushed per layer while P computes, aux rows and DONE with the last WRITE);
+- ``sglang-nixl``: SGLang's own ``nixl`` backend (per chunk, after the forward; on a CPU it
+  needs the test environment's shim ``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``, and its NIXL
+  progress thread spins a core, so its servers run niced);
+- ``sglang-mooncake-tcp``: SGLang's ``mooncake`` backend over TCP (needs
+  ``mooncake-transfer-engine`` installed; skipped with a message otherwise).
+
+A PD request goes the way SGLang's router sends it: to P and D at the same time with the same
+``bootstrap_room``; D's stream is what the client sees. Per request:
+
+- ``ttft_s``: client send -> first streamed token (D's first token is P's sampled token, which
+  D receives in the aux buffers with the KV);
+- ``gap_s``: first -> second streamed token (D's first decode step);
+- ``exposed_s`` (``sglang-splitserve`` only): P's last layer computed -> DONE seen at D, from
+  D's log (``splitserve: room R received, exposed handoff X s``; server timestamps). SGLang's
+  own backends report no such figure: compare them by TTFT against ``sglang-colocated``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from splitserve.launch.group import ServerGroup
+from splitserve.launch.process import free_ports
+
+START_TIMEOUT = 900.0
+CHUNK = 2048  # as the vLLM rows' --max-num-batched-tokens
+NIXL_SPINNER_NICE = 10
+
+CONTENDERS = ["sglang-colocated", "sglang-splitserve", "sglang-nixl", "sglang-mooncake-tcp"]
+BACKENDS = {
+    "sglang-splitserve": ("splitserve", {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "900"}, 0),
+    "sglang-nixl": ("nixl", {"SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM": "1"}, NIXL_SPINNER_NICE),
+    "sglang-mooncake-tcp": (
+        "mooncake",
+        {
+            "SGLANG_CPU_SHIM_MOONCAKE_HOST_INDICES_OFF": "1",
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MC_FORCE_TCP": "1",
+        },
+        0,
+    ),
+}
+
+
+def available(contenders: list[str]) -> list[str]:
+    """The SGLang contenders this environment can run (a message for each one it cannot)."""
+    wanted = [c for c in contenders if c in CONTENDERS]
+    if not wanted:
+        return []
+    if importlib.util.find_spec("sglang") is None:
+        print("SGLang is not installed: SGLang rows skipped", file=sys.stderr)
+        return []
+    if "sglang-mooncake-tcp" in wanted and importlib.util.find_spec("mooncake") is None:
+        print(
+            "mooncake-transfer-engine is not installed: sglang-mooncake-tcp skipped",
+            file=sys.stderr,
+        )
+        wanted.remove("sglang-mooncake-tcp")
+    return wanted
+
+
+def _stream(url: str, body: dict) -> list[float]:
+    """perf_counter times of the streamed chunks of SGLang's native /generate."""
+    request = urllib.request.Request(
+        url + "/generate",
+        json.dumps(body | {"stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    times = []
+    with urllib.request.urlopen(request, timeout=900) as response:
+        for line in response:
+            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+                times.append(time.perf_counter())
+    return times
+
+
+def _post(url: str, body: dict) -> None:
+    request = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=900) as response:
+        response.read()
+
+
+def _body(length: int, rng: random.Random) -> dict:
+    prompt = [rng.randrange(5, 1000) for _ in range(length)]
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    return {"input_ids": prompt, "sampling_params": params}
+
+
+def _colocated(url: str, body: dict) -> dict:
+    start = time.perf_counter()
+    times = _stream(url, body)
+    return {"ttft_s": times[0] - start, "gap_s": times[1] - times[0]}
+
+
+def _pd(pair: dict, body: dict, log: Path | None) -> dict:
+    room = random.randrange(2**62)
+    body = body | {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": pair["bootstrap"],
+        "bootstrap_room": room,
+    }
+    errors: list[BaseException] = []
+
+    def prefill() -> None:
+        try:
+            _post(pair["p"], body)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=prefill)
+    start = time.perf_counter()
+    thread.start()
+    times = _stream(pair["d"], body)
+    thread.join(900)
+    if errors:
+        raise errors[0]
+    out = {"ttft_s": times[0] - start, "gap_s": times[1] - times[0]}
+    if log is not None:
+        pattern = rf"room {room} received, exposed handoff ([0-9.e+-]+) s"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the log line may trail the stream by a flush
+            found = re.findall(pattern, log.read_text(errors="replace"))
+            if found:
+                out["exposed_s"] = float(found[-1])
+                break
+            time.sleep(0.1)
+    return out
+
+
+def _server(model: Path, port: int, max_tokens: int, env: dict, **kw):
+    from splitserve.connectors.sglang.launch import sglang_server
+
+    return sglang_server(
+        str(model),
+        port,
+        served_model_name="bench",
+        chunked_prefill_size=CHUNK,
+        max_total_tokens=max_tokens,
+        env=env,
+        **kw,
+    )
+
+
+def run(
+    *,
+    work: Path,
+    model: Path,
+    transport: str,
+    env: dict,
+    lengths: list[int],
+    repeats: int,
+    contenders: list[str],
+    rng: random.Random,
+) -> list[dict]:
+    """Every selected SGLang contender on one transport; one row per request."""
+    rows: list[dict] = []
+    max_tokens = 2 * max(lengths) + 1024
+    group = ServerGroup(work / f"logs-{transport}-sglang")
+    try:
+        runs: dict[str, tuple] = {}
+        if "sglang-colocated" in contenders:
+            (port,) = free_ports(1)
+            cmd = _server(model, port, max_tokens, dict(env))
+            group.add("sglang-colocated", cmd.argv, port=port, env=cmd.env)
+            group.wait(START_TIMEOUT, names=["sglang-colocated"])
+            url = group.servers["sglang-colocated"].url
+            runs["sglang-colocated"] = (lambda b, u=url: _colocated(u, b),)
+        for name in [c for c in contenders if c in BACKENDS]:
+            backend, backend_env, nice = BACKENDS[name]
+            p_port, d_port, bootstrap = free_ports(3)
+            server_env = dict(env) | backend_env
+            common = dict(transfer_backend=backend)
+            p = _server(
+                model,
+                p_port,
+                max_tokens,
+                server_env,
+                mode="prefill",
+                bootstrap_port=bootstrap,
+                **common,
+            )
+            d = _server(model, d_port, max_tokens, server_env, mode="decode", **common)
+            group.add(f"{name}-p", p.argv, port=p_port, env=p.env, nice=nice)
+            group.add(f"{name}-d", d.argv, port=d_port, env=d.env, nice=nice)
+            group.wait(START_TIMEOUT, names=[f"{name}-p", f"{name}-d"])
+            pair = {
+                "p": group.servers[f"{name}-p"].url,
+                "d": group.servers[f"{name}-d"].url,
+                "bootstrap": bootstrap,
+            }
+            log = group.log_dir / f"{name}-d.log" if backend == "splitserve" else None
+            _pd(pair, _body(64, rng), log)  # warm-up
+            for length in lengths:
+                for _ in range(repeats):
+                    row = {"transport": transport, "contender": name, "length": length}
+                    rows.append(row | _pd(pair, _body(length, rng), log))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if "sglang-colocated" in runs:  # the reference, interleaved
+                        row = row | {"contender": "sglang-colocated"}
+                        rows.append(row | runs["sglang-colocated"][0](_body(length, rng)))
+                        print(json.dumps(rows[-1]), flush=True)
+            for role in ("p", "d"):  # at most three servers at once
+                group.servers.pop(f"{name}-{role}").process.stop()
+    finally:
+        group.stop()
+    return rows
+
+
+def rows_for(args, work: Path, model: Path, rng: random.Random) -> list[dict]:
+    """The SGLang rows of a ``benchmarks/handoff.py`` run (its parsed arguments)."""
+    contenders = available(list(args.contenders))
+    rows: list[dict] = []
+    for transport in args.transports if contenders else []:
+        env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
+        rows += run(
+            work=work,
+            model=model,
+            transport=transport,
+            env=env,
+            lengths=args.lengths,
+            repeats=args.repeats,
+            contenders=contenders,
+            rng=rng,
+        )
+    return rows
+
+
+def relative_to_colocated(summary: list[dict]) -> list[dict]:
+    """SGLang rows compared with ``sglang-colocated`` (not with vLLM's ``colocated``)."""
+    ref = {
+        (e["transport"], e["length"]): e for e in summary if e["contender"] == "sglang-colocated"
+    }
+    for e in summary:
+        base = ref.get((e["transport"], e["length"]))
+        if not e["contender"].startswith("sglang-") or base is None or e is base:
+            continue
+        e["ttft_vs_colocated"] = e["ttft_s"] / base["ttft_s"] - 1.0
+        if "gap_s" in e and "gap_s" in base:
+            e["gap_beyond_colocated_s"] = e["gap_s"] - base["gap_s"]
+    return summary
