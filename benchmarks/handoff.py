@@ -9,7 +9,11 @@ fresh random prompts per request (no prefix-cache hits), greedy, on one machine:
 - ``splitserve-sequential``: SplitserveConnector behind the stock sequential flow (P first,
   then D; P writes everything once D registers);
 - ``nixl``: vLLM's stock ``NixlConnector`` (D pulls after P finished), sequential flow;
-- ``nixl-push``: vLLM's ``NixlPushConnector`` when the installed vLLM has it.
+- ``nixl-push``: vLLM's ``NixlPushConnector`` when the installed vLLM has it;
+- ``sglang-colocated``, ``sglang-splitserve``, ``sglang-nixl``, ``sglang-mooncake-tcp``: SGLang
+  rows, same model and prompts: our SGLang backend against SGLang's own ``nixl`` and
+  ``mooncake`` (TCP) backends, TTFT against a single SGLang server and our exposed handoff
+  (``benchmarks/handoff_sglang.py`` says how each is measured).
 
 Each row is measured on NIXL's default path and, with ``--transports default tcp``, again with
 ``UCX_TLS=tcp`` (a slower link). Per request the client records:
@@ -274,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             "splitserve-sequential",
             "nixl",
             "nixl-push",
+            "sglang-colocated",
+            "sglang-splitserve",
+            "sglang-nixl",
+            "sglang-mooncake-tcp",
         ],
     )
     parser.add_argument("--out", type=Path, default=Path("results/handoff.json"))
@@ -320,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                             print(json.dumps(rows[-1]), flush=True)
             finally:
                 group.stop()
-    summary = summarize(rows)
+    import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
+
+    rows += handoff_sglang.rows_for(args, work, model, rng)
+    summary = handoff_sglang.relative_to_colocated(summarize(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/handoff.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.write_text(
