@@ -33,29 +33,28 @@ class ProxyError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
 
+    def sse_event(self) -> bytes:
+        """The error as the SSE event that ends a stream already under way (the status line is
+        sent, so only the body can tell; OpenAI SDKs raise ``APIError`` on it)."""
+        return b"data: " + json.dumps({"error": self.body()["error"]}).encode() + b"\n\n"
 
+
+# The errors a client can cause, and "no server to send it to": one line each (status, OpenAI
+# error type, metrics label).
 class BadRequest(ProxyError):
-    status = 400
-    err_type = "invalid_request_error"
-    kind = "bad_request"
+    status, err_type, kind = 400, "invalid_request_error", "bad_request"
 
 
 class Unauthorized(ProxyError):
-    status = 401
-    err_type = "authentication_error"
-    kind = "unauthorized"
+    status, err_type, kind = 401, "authentication_error", "unauthorized"
 
 
 class PayloadTooLarge(ProxyError):
-    status = 413
-    err_type = "invalid_request_error"
-    kind = "too_large"
+    status, err_type, kind = 413, "invalid_request_error", "too_large"
 
 
 class NoHealthyServer(ProxyError):
-    status = 503
-    err_type = "service_unavailable"
-    kind = "no_healthy_server"
+    status, err_type, kind = 503, "service_unavailable", "no_healthy_server"
 
 
 class UpstreamError(ProxyError):
@@ -75,9 +74,7 @@ class UpstreamError(ProxyError):
 
 
 class UpstreamTimeout(UpstreamError):
-    status = 504
-    err_type = "timeout"
-    kind = "timeout"
+    status, err_type, kind = 504, "timeout", "timeout"
 
 
 class UpstreamStatus(ProxyError):

@@ -461,8 +461,7 @@ class Forwarder:
                 err = self._map_error(e, d, "the next chunk")
                 outcome.error_kind = f"midstream_{err.kind}"
                 logger.warning("decode stream broke: %s", err.message)
-                event = {"error": err.body()["error"]}
-                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await out.write(err.sse_event())
                 return False
             if not chunk:
                 return True
