@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
 import random
 import uuid
 from typing import Any
@@ -148,7 +147,7 @@ def vllm_sequential_decode_request(
             "KV connector (--kv-transfer-config)?"
         )
     decode = _client_body(body)
-    decode["kv_transfer_params"] = copy.deepcopy(params)
+    decode["kv_transfer_params"] = dict(params)  # nested values shared read-only (module invariant)
     return decode
 
 
