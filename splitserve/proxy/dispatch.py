@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import random
 import uuid
 from typing import Any
@@ -147,7 +148,7 @@ def vllm_sequential_decode_request(
             "KV connector (--kv-transfer-config)?"
         )
     decode = _client_body(body)
-    decode["kv_transfer_params"] = dict(params)  # nested values shared read-only (module invariant)
+    decode["kv_transfer_params"] = copy.deepcopy(params)
     return decode
 
 
