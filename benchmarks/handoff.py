@@ -4,8 +4,12 @@ Model preset ``bench`` (16 layers, 256 KiB of fp32 KV per token), prompt lengths
 fresh random prompts per request (no prefix-cache hits), greedy, on one machine:
 
 - ``colocated``: a plain request to one server (the splitserve P server, no transfer);
-- ``splitserve-concurrent``: SplitserveConnector, P and D get the request at once, KV streamed
-  per layer and per chunk while P computes;
+- ``splitserve-concurrent``: SplitserveConnector through the splitserve proxy with
+  ``first_token_from_prefill`` off: P and D get the request at once, KV streamed per layer and
+  per chunk while P computes, D computes the last prompt token and samples every token;
+- ``splitserve-first-token``: the same with ``first_token_from_prefill`` on: the proxy streams
+  the token P sampled as soon as P answers, D loads every prompt token's KV and continues from
+  it (its first step samples token 2);
 - ``splitserve-sequential``: SplitserveConnector behind the stock sequential flow (P first,
   then D; P writes everything once D registers);
 - ``nixl``: vLLM's stock ``NixlConnector`` (D pulls after P finished), sequential flow;
@@ -18,11 +22,17 @@ fresh random prompts per request (no prefix-cache hits), greedy, on one machine:
 Each row is measured on NIXL's default path and, with ``--transports default tcp``, again with
 ``UCX_TLS=tcp`` (a slower link). Per request the client records:
 
-- ``ttft_s``: client send -> D's first streamed token (for sequential flows: including P);
-- ``handoff_s``: P's answer received -> D's first token (what the client waits beyond P's
-  prefill; includes D's one-token forward, which no connector can hide);
+- ``ttft_s``: client send -> first streamed token (for sequential flows: including P);
+- ``gap_s``: first streamed token -> second (colocated: one decode step; first-token flow: D's
+  DONE wait after P's answer, plus its one forward, which now samples token 2);
+- ``handoff_s`` (direct sequential flows): P's answer received -> D's first token (what the
+  client waits beyond P's prefill; includes D's one-token forward);
 - ``exposed_s`` (splitserve only): from P's last layer computed to DONE seen at D, from the
   connector's own ``vllm:splitserve_exposed_handoff_seconds`` histogram (server timestamps).
+
+The summary adds, per length, TTFT relative to ``colocated`` and the gap beyond colocated's
+(one decode step), the figures the first-token flow's targets are stated in: TTFT within 2% of
+colocated, token 2 within one layer's transfer plus one decode step of token 1.
 
 Dispatch goes through ``splitserve.proxy.dispatch`` like the proxy. Output: a JSON file, a
 markdown table on stdout and, when matplotlib is importable, a PNG next to the JSON.
@@ -42,7 +52,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,8 @@ from splitserve.launch.group import ServerGroup
 from splitserve.launch.process import free_ports
 from splitserve.models import build_model, resolve_spec
 from splitserve.proxy import dispatch
+from splitserve.proxy.config import build_config
+from splitserve.proxy.server import BackgroundProxy
 
 START_TIMEOUT = 900.0
 
@@ -68,23 +79,26 @@ def post_json(url: str, body: dict, timeout: float = 600.0) -> tuple[dict, float
     return answer, time.perf_counter()
 
 
-def first_token_time(url: str, body: dict, timeout: float = 600.0) -> float:
-    """Stream ``body`` and return the perf_counter time of the first token's chunk."""
+def token_times(url: str, body: dict, timeout: float = 600.0) -> tuple[float, float]:
+    """Stream ``body``; perf_counter times of the first two token chunks (vLLM sends one chunk
+    per token, also when a token's text is still empty)."""
     body = dict(body, stream=True)
     request = urllib.request.Request(
         url + "/v1/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    first = None
+    times: list[float] = []
     with urllib.request.urlopen(request, timeout=timeout) as response:
         for raw in response:
             line = raw.decode().strip()
-            if first is None and line.startswith("data:") and '"text"' in line:
-                first = time.perf_counter()
-    if first is None:
-        raise RuntimeError(f"{url}: no token streamed")
-    return first
+            if len(times) < 2 and line.startswith("data: {"):
+                now = time.perf_counter()
+                if json.loads(line[6:]).get("choices"):
+                    times.append(now)
+    if len(times) < 2:
+        raise RuntimeError(f"{url}: fewer than two tokens streamed")
+    return times[0], times[1]
 
 
 def histogram(url: str, name: str) -> tuple[float, float]:
@@ -152,29 +166,31 @@ def start_pair(group: ServerGroup, name: str, model: Path, kind: str, env: dict)
 
 def request_body(length: int, rng: random.Random) -> dict:
     prompt = [rng.randrange(5, 1000) for _ in range(length)]
-    return {"model": "bench", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    # ignore_eos: a random model may sample EOS; three tokens give the first two gaps.
+    return {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def run_colocated(pair: dict, body: dict) -> dict:
     start = time.perf_counter()
-    first = first_token_time(pair["p"], body)
-    return {"ttft_s": first - start}
+    first, second = token_times(pair["p"], body)
+    return {"ttft_s": first - start, "gap_s": second - first}
 
 
-def run_concurrent(pair: dict, body: dict) -> dict:
-    prefill, decode = dispatch.vllm_concurrent_requests(
-        body, dispatch.new_transfer_id(), "127.0.0.1", pair["p_side"]
-    )
-    before = histogram(pair["d"], "vllm:splitserve_exposed_handoff_seconds")
+def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
+    """Through the splitserve proxy (concurrent flow), as a client sees it."""
+    name = "vllm:splitserve_exposed_handoff_seconds"
+    before = histogram(pair["d"], name)
     start = time.perf_counter()
-    with ThreadPoolExecutor(2) as pool:
-        p_future = pool.submit(post_json, pair["p"], prefill)
-        d_future = pool.submit(first_token_time, pair["d"], decode)
-        _, p_done = p_future.result()
-        first = d_future.result()
-    after = histogram(pair["d"], "vllm:splitserve_exposed_handoff_seconds")
+    first, second = token_times(proxy_url, body)
+    after = histogram(pair["d"], name)
     exposed = (after[0] - before[0]) / max(after[1] - before[1], 1)
-    return {"ttft_s": first - start, "handoff_s": first - p_done, "exposed_s": exposed}
+    return {"ttft_s": first - start, "gap_s": second - first, "exposed_s": exposed}
 
 
 def run_sequential(pair: dict, body: dict, ours: bool) -> dict:
@@ -182,12 +198,28 @@ def run_sequential(pair: dict, body: dict, ours: bool) -> dict:
     before = histogram(pair["d"], name) if ours else None
     start = time.perf_counter()
     p_answer, p_done = post_json(pair["p"], dispatch.vllm_sequential_prefill_request(body))
-    first = first_token_time(pair["d"], dispatch.vllm_sequential_decode_request(body, p_answer))
-    out = {"ttft_s": first - start, "handoff_s": first - p_done}
+    first, second = token_times(pair["d"], dispatch.vllm_sequential_decode_request(body, p_answer))
+    out = {"ttft_s": first - start, "gap_s": second - first, "handoff_s": first - p_done}
     if ours:
         after = histogram(pair["d"], name)
         out["exposed_s"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
     return out
+
+
+def start_proxy(pair: dict, first_token: bool, started: list) -> str:
+    """A splitserve proxy (concurrent flow) in this process, in front of the pair."""
+    config = build_config(
+        {
+            "port": 0,
+            "flow": "concurrent",
+            "first_token_from_prefill": first_token,
+            "prefill": [{"url": pair["p"], "side_channel_port": pair["p_side"]}],
+            "decode": [{"url": pair["d"]}],
+        }
+    )
+    proxy = BackgroundProxy(config).start()
+    started.append(proxy)
+    return proxy.url
 
 
 # ----------------------------------------------------------------------------- main
@@ -210,28 +242,38 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (transport, contender, length), group in sorted(table.items()):
         entry = {"transport": transport, "contender": contender, "length": length}
-        for key in ("ttft_s", "handoff_s", "exposed_s"):
+        for key in ("ttft_s", "gap_s", "handoff_s", "exposed_s"):
             values = [r[key] for r in group if key in r]
             if values:
                 entry[key] = statistics.median(values)
         out.append(entry)
+    colocated = {(e["transport"], e["length"]): e for e in out if e["contender"] == "colocated"}
+    for e in out:
+        ref = colocated.get((e["transport"], e["length"]))
+        if ref is None or e is ref:
+            continue
+        e["ttft_vs_colocated"] = e["ttft_s"] / ref["ttft_s"] - 1.0
+        if "gap_s" in e and "gap_s" in ref:
+            e["gap_beyond_colocated_s"] = e["gap_s"] - ref["gap_s"]
     return out
 
 
 def markdown(summary: list[dict]) -> str:
     lines = [
-        "| transport | contender | prompt | TTFT ms | P answer -> D 1st token ms | "
-        "exposed (last layer -> DONE) ms |",
-        "|---|---|---|---|---|---|",
+        "| transport | contender | prompt | TTFT ms | TTFT vs colocated | token 1 -> 2 ms | "
+        "gap beyond colocated ms | P answer -> D 1st token ms | exposed (last layer -> DONE) ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
 
         def ms(key, e=e):
             return f"{1e3 * e[key]:.1f}" if key in e else "-"
 
+        vs = f"{100 * e['ttft_vs_colocated']:+.1f}%" if "ttft_vs_colocated" in e else "-"
         lines.append(
-            f"| {e['transport']} | {e['contender']} | {e['length']} | {ms('ttft_s')} | "
-            f"{ms('handoff_s')} | {ms('exposed_s')} |"
+            f"| {e['transport']} | {e['contender']} | {e['length']} | {ms('ttft_s')} | {vs} | "
+            f"{ms('gap_s')} | {ms('gap_beyond_colocated_s')} | {ms('handoff_s')} | "
+            f"{ms('exposed_s')} |"
         )
     return "\n".join(lines)
 
@@ -275,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[
             "colocated",
             "splitserve-concurrent",
+            "splitserve-first-token",
             "splitserve-sequential",
             "nixl",
             "nixl-push",
@@ -299,24 +342,35 @@ def main(argv: list[str] | None = None) -> int:
     for transport in args.transports:
         env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
         kinds = []
-        if {"colocated", "splitserve-concurrent", "splitserve-sequential"} & set(contenders):
+        ours = {
+            "colocated",
+            "splitserve-concurrent",
+            "splitserve-first-token",
+            "splitserve-sequential",
+        }
+        if ours & set(contenders):
             kinds.append("splitserve")
         kinds += [k for k in ("nixl", "nixl-push") if k in contenders]
         for kind in kinds:
             group = ServerGroup(work / f"logs-{transport}-{kind}")
             connector = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}.get(kind, kind)
+            proxies: list[BackgroundProxy] = []
             try:
                 pair = start_pair(group, f"{kind}-{transport}", model, connector, env)
                 if kind == "splitserve":
+                    plain, first = (start_proxy(pair, on, proxies) for on in (False, True))
                     runs = {
                         "colocated": run_colocated,
-                        "splitserve-concurrent": run_concurrent,
+                        "splitserve-concurrent": lambda p, b, u=plain: run_proxied(p, b, u),
+                        "splitserve-first-token": lambda p, b, u=first: run_proxied(p, b, u),
                         "splitserve-sequential": lambda p, b: run_sequential(p, b, True),
                     }
                 else:
                     runs = {kind: lambda p, b: run_sequential(p, b, False)}
                 runs = {name: fn for name, fn in runs.items() if name in contenders}
                 run_sequential(pair, request_body(64, rng), kind == "splitserve")  # warm-up
+                for fn in runs.values():
+                    fn(pair, request_body(64, rng))  # warm-up of each path
                 for length in args.lengths:
                     for _ in range(args.repeats):
                         for name, fn in runs.items():
@@ -327,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                             )
                             print(json.dumps(rows[-1]), flush=True)
             finally:
+                for proxy in proxies:
+                    proxy.stop()
                 group.stop()
     import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
 

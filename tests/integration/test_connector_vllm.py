@@ -131,6 +131,28 @@ def concurrent_flow(p, d, prompt) -> dict:
         return d_answer.result()
 
 
+def first_token_flow(p, d, prompt) -> dict:
+    """The concurrent flow with ``first_token_from_prefill``: D continues from P's token. The
+    answer is P's first token followed by D's (what the proxy stitches), as one answer."""
+    (p_url, p_side), (d_url, _) = p, d
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side, True
+    )
+    with ThreadPoolExecutor(2) as pool:
+        p_future = pool.submit(post, p_url, prefill)
+        d_future = pool.submit(post, d_url, decode)
+        p_answer, d_answer = p_future.result(), d_future.result()
+    assert "choices" in p_answer, p_answer
+    if "choices" not in d_answer:
+        return d_answer
+    first, rest = p_answer["choices"][0], d_answer["choices"][0]
+    assert len(first["token_ids"]) == 1 and len(rest["token_ids"]) == MAX_TOKENS - 1
+    lp = first["logprobs"]["token_logprobs"] + rest["logprobs"]["token_logprobs"]
+    choice = {"token_ids": first["token_ids"] + rest["token_ids"], "logprobs": {}}
+    choice["logprobs"]["token_logprobs"] = lp
+    return {"choices": [choice]}
+
+
 def sequential_flow(p, d, prompt) -> dict:
     (p_url, _), (d_url, _) = p, d
     body = body_for(prompt)
@@ -139,7 +161,11 @@ def sequential_flow(p, d, prompt) -> dict:
     return post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer))
 
 
-FLOWS = {"concurrent": concurrent_flow, "sequential": sequential_flow}
+FLOWS = {
+    "concurrent": concurrent_flow,
+    "first-token": first_token_flow,
+    "sequential": sequential_flow,
+}
 
 
 def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> None:
@@ -176,9 +202,12 @@ def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:
 
 
 def roles(pair, flow: str):
-    """P and D: a -> b for the concurrent flow, b -> a for the sequential one."""
+    """P and D: a -> b for the concurrent flows, b -> a for the sequential one."""
     a, b = pair["ss-a"], pair["ss-b"]
-    return (a, b) if flow == "concurrent" else (b, a)
+    return (b, a) if flow == "sequential" else (a, b)
+
+
+SEEDS = {"concurrent": 0, "first-token": 5000, "sequential": 100}
 
 
 # -- correctness ---------------------------------------------------------------------------------
@@ -188,17 +217,17 @@ def roles(pair, flow: str):
 def test_prompt_lengths(pair, flow):
     """1, block-1, block, block+1 and a prompt longer than P's token budget (chunked on P)."""
     p, d = roles(pair, flow)
-    seed = 100 if flow == "concurrent" else 200
+    seed = 100 + SEEDS[flow]
     for i, length in enumerate([1, BLOCK - 1, BLOCK, BLOCK + 1, 1300]):
         prompt = prompt_of(length, seed + i)
         answer = FLOWS[flow](p, d, prompt)
         assert_same(answer, reference(p[0], prompt), f"{flow}, {length} tokens")
 
 
-@pytest.mark.parametrize("flow", FLOWS)
+@pytest.mark.parametrize("flow", ["first-token", "sequential"])
 def test_eight_concurrent_requests(pair, flow):
     p, d = roles(pair, flow)
-    seed = 300 if flow == "concurrent" else 400
+    seed = 300 + SEEDS[flow]
     lengths = [5, 60, 127, 128, 129, 250, 400, 700]
     prompts = [prompt_of(n, seed + i) for i, n in enumerate(lengths)]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -207,11 +236,11 @@ def test_eight_concurrent_requests(pair, flow):
         assert_same(answer, reference(p[0], prompt), f"{flow}, {len(prompt)} tokens, 8 at once")
 
 
-@pytest.mark.parametrize("flow", FLOWS)
+@pytest.mark.parametrize("flow", ["first-token", "sequential"])
 def test_prefix_cache_hits(pair, flow):
     """Same prompt twice (P hit, then D hit too); P alone holds it; D holds a prefix."""
     p, d = roles(pair, flow)
-    seed = 500 if flow == "concurrent" else 600
+    seed = 500 + SEEDS[flow]
     twice = prompt_of(400, seed)
     for round_ in range(2):
         assert_same(FLOWS[flow](p, d, twice), reference(p[0], twice), f"{flow}, round {round_}")

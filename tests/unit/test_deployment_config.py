@@ -108,3 +108,15 @@ def test_plan_resolves_ports_connector_and_proxy(tmp_path) -> None:
     proxy = proxy_config_for(dep, [9600, 9601])
     assert [p.url for p in proxy.prefill] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     assert proxy.flow == "sequential" and proxy.port == 9000
+
+
+def test_first_token_from_prefill_follows_the_flow_and_is_validated() -> None:
+    ours = _minimal(connector={"name": "splitserve"})
+    ports = [9600]
+    assert proxy_config_for(parse_deployment(ours), ports).first_token_from_prefill is True
+    off = _minimal(connector={"name": "splitserve"}, proxy={"first_token_from_prefill": False})
+    assert proxy_config_for(parse_deployment(off), ports).first_token_from_prefill is False
+    stock = parse_deployment(_minimal())  # NixlConnector: sequential flow, option off
+    assert proxy_config_for(stock, [None]).first_token_from_prefill is False
+    with pytest.raises(DeploymentError, match="proxy.first_token_from_prefill"):
+        parse_deployment(_minimal(proxy={"first_token_from_prefill": True}))

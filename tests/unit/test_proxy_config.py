@@ -99,3 +99,45 @@ def test_cli_rejects_bad_settings_without_traceback() -> None:
     assert "Traceback" not in result.output
     result = CliRunner().invoke(cli, ["proxy", "--help"])
     assert result.exit_code == 0 and "--prefill" in result.output
+
+
+def test_first_token_from_prefill_default_flag_and_validation(tmp_path) -> None:
+    base = {
+        "prefill": [{"url": "http://p:1", "side_channel_port": 5}],
+        "decode": [{"url": "http://d:1"}],
+    }
+    assert build_config({**base, "flow": "concurrent"}).first_token_from_prefill is True
+    assert build_config(base).first_token_from_prefill is False  # sequential: not supported
+    with pytest.raises(ConfigError, match="first_token_from_prefill: only the vLLM concurrent"):
+        build_config({**base, "first_token_from_prefill": True})
+    # A YAML concurrent flow overridden by --flow sequential: the unset default follows the flow.
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "flow: concurrent\nprefill: [{url: 'http://a:1', side_channel_port: 5}]\n"
+        "decode: [{url: 'http://d:1'}]\n"
+    )
+    c = config_from_options(
+        str(path), ("http://a:1",), ("http://d:1",), (5,), (), {"flow": "sequential"}
+    )
+    assert c.first_token_from_prefill is False
+    c = config_from_options(
+        None,
+        ("http://a:1",),
+        ("http://d:1",),
+        (5,),
+        (),
+        {"flow": "concurrent", "first_token_from_prefill": False},
+    )
+    assert c.first_token_from_prefill is False
+    result = CliRunner().invoke(
+        cli,
+        [
+            "proxy",
+            "--prefill",
+            "http://p:1",
+            "--decode",
+            "http://d:1",
+            "--first-token-from-prefill",
+        ],
+    )
+    assert result.exit_code == 2 and "first_token_from_prefill" in result.output
