@@ -131,14 +131,22 @@ def nixl_kv(connector: str) -> dict:
     return {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
-def start_pair(group: ServerGroup, name: str, model: Path, kind: str, env: dict) -> dict:
+def start_pair(
+    group: ServerGroup,
+    name: str,
+    model: Path,
+    kind: str,
+    env: dict,
+    max_len: int = 8192,
+    kv_gib: int = 4,
+) -> dict:
     """P on core 0, D on core 1; returns urls and P's side channel port."""
     http = free_ports(2)
     side = free_ports(2)
-    extra = ["--max-model-len", "8192", "--max-num-batched-tokens", "2048"]
+    extra = ["--max-model-len", str(max_len), "--max-num-batched-tokens", "2048"]
     servers = {}
     for role, core in (("p", 0), ("d", 1)):
-        server_env = dict(env, VLLM_CPU_KVCACHE_SPACE="4")
+        server_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
         if kind == "splitserve":
             kv = splitserve_kv(side[core])
         else:
@@ -329,7 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("results/handoff.json"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=4,
+        help="VLLM_CPU_KVCACHE_SPACE per server (the bench model needs 256 KiB per token; "
+        "2 is enough for prompts up to 2048 on a shared 24 GiB machine)",
+    )
     args = parser.parse_args(argv)
+    # Room for the longest prompt and its tokens, in whole blocks (vLLM checks it fits the KV).
+    max_len = max(1024, 2 * max(args.lengths))
 
     work = Path(tempfile.mkdtemp(prefix="splitserve-handoff-"))
     model = build_model(resolve_spec("bench"), work / "bench")
@@ -356,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             connector = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}.get(kind, kind)
             proxies: list[BackgroundProxy] = []
             try:
-                pair = start_pair(group, f"{kind}-{transport}", model, connector, env)
+                pair = start_pair(
+                    group, f"{kind}-{transport}", model, connector, env, max_len, args.kv_cache_gib
+                )
                 if kind == "splitserve":
                     plain, first = (start_proxy(pair, on, proxies) for on in (False, True))
                     runs = {
