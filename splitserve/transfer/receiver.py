@@ -10,7 +10,8 @@ the DONE notification that rides on P's last WRITE, that its blocks are filled.
                                                        output token (Outcome.first_token);
                                                        aux_row: our row in the aux layers
     release_remote(tid, host, port)                   tell P we need nothing (empty REGISTER)
-    abort(tid, reason)                                 our request is gone: ABORT to P
+    abort(tid, reason, host=None, port=None)           our request is gone: ABORT to P (also
+                                                       before we registered, given P's address)
     poll() -> {tid: Outcome}                           transfers settled since the last call
 
 Invariants:
@@ -147,9 +148,17 @@ class KVReceiver:
         )
         self.channel.send(peer, reg)
 
-    def abort(self, transfer_id: str, reason: str) -> None:
-        """Our request is gone: ask P to stop; the outcome comes once P acknowledges."""
+    def abort(
+        self, transfer_id: str, reason: str, host: str | None = None, port: int | None = None
+    ) -> None:
+        """Our request is gone: ask P to stop; the outcome comes once P acknowledges. For a
+        transfer we never registered, ``host``/``port`` (P's side channel) still tell P, so it
+        drops the request instead of waiting for a registration."""
         inc = self._transfers.get(transfer_id)
+        if inc is None and host is not None and port is not None:
+            abort = messages.Abort(transfer_id=transfer_id, reason=reason)
+            self.channel.send(self._peer(host, port), abort)
+            return
         if inc is None or inc.record.state.terminal:
             return
         inc.record.transition(S.ABORTED, reason)

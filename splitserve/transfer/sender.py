@@ -287,6 +287,10 @@ class KVSender:
         orphan = self._orphans.get(transfer_id)
         return orphan.message if orphan is not None else None
 
+    def cancelled(self, transfer_id: str) -> bool:
+        """D aborted, or the engine cancelled, this id before it was settled here."""
+        return transfer_id in self._tombstones
+
     def state_of(self, transfer_id: str) -> TransferState | None:
         out = self._transfers.get(transfer_id)
         return out.record.state if out else None

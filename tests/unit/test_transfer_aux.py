@@ -202,3 +202,16 @@ def test_aux_row_required_exactly_when_the_layout_has_aux_layers():
     with pytest.raises(ValueError):
         receiver.expect("r", "h", 1, [1], 0, aux_row=AUX_ROWS)
     receiver.expect("r", "h", 1, [1], 0, aux_row=AUX_ROWS - 1)
+
+
+def test_abort_before_registering_reaches_the_sender_which_drops_the_id():
+    channel = FakeChannel()
+    receiver = KVReceiver(FakeAgent(), channel, done_timeout_s=5)
+    receiver.abort("r", "client gone", "127.0.0.1", 5)
+    abort = channel.sent[-1][1]
+    assert isinstance(abort, messages.Abort) and abort.transfer_id == "r"
+    sender, agent, p_channel = make_sender()
+    p_channel.inbox.append(Inbound(PEER, abort))
+    assert sender.registration_of("r") is None
+    assert sender.cancelled("r")
+    assert isinstance(p_channel.sent[-1][1], messages.AbortAck)

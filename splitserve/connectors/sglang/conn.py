@@ -190,7 +190,11 @@ class SplitserveKVManager(CommonKVManager):
                 self.awaiting_registration.discard(room)
                 continue
             reg = self.sender.registration_of(str(room))
-            if reg is not None:
+            if reg is None and self.sender.cancelled(str(room)):
+                self.awaiting_registration.discard(room)
+                self.record_failure(room, "splitserve: aborted by the decode side")
+                self.update_status(room, KVPoll.Failed)
+            elif reg is not None:
                 self.awaiting_registration.discard(room)
                 self.req_to_decode_prefix_len[room] = reg.token_offset
                 self.update_status(room, KVPoll.WaitingForInput)
@@ -350,11 +354,13 @@ class SplitserveKVManager(CommonKVManager):
                 return False
         return True
 
-    def abort_transfer(self, room: int, reason: str) -> None:
+    def abort_transfer(
+        self, room: int, reason: str, host: str | None = None, port: int | None = None
+    ) -> None:
         if self.receiver is None:
             return
         with self.lock:
-            self.receiver.abort(str(room), reason)
+            self.receiver.abort(str(room), reason, host, port)
 
     def close(self) -> None:
         if layerwise.ACTIVE is self:
@@ -454,7 +460,9 @@ class SplitserveKVReceiver(CommonKVReceiver):
             self.init_time = time.time()
 
     def _send_abort_notification(self, *, force_arm: bool = False):
-        self.kv_mgr.abort_transfer(self.bootstrap_room, "aborted on the decode side")
+        targets = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
+        host, port = (targets[0]["rank_ip"], targets[0]["rank_port"]) if targets else (None, None)
+        self.kv_mgr.abort_transfer(self.bootstrap_room, "aborted on the decode side", host, port)
 
 
 class SplitserveKVBootstrapServer(CommonKVBootstrapServer):
