@@ -199,41 +199,57 @@ def run_bare(port: int, prefill: str, decode: str) -> None:
 
 BODY = {"model": "tiny", "prompt": "hello " * 32, "max_tokens": STREAM_CHUNKS, "temperature": 0}
 WARMUP = 20  # per round
+REQUEST_TIMEOUT_S = 60.0
 
 
-async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
+async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> float | None:
+    """One request's latency in seconds; None when it failed (counted, not fatal: on a loaded
+    machine one stalled request must not lose a whole run)."""
     t0 = time.perf_counter()
-    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{url} answered {r.status}: {await r.text()}")
-        await r.read()
+    try:
+        async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            if r.status != 200:
+                return None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
     return time.perf_counter() - t0
 
 
 async def load(
     url: str, stream: bool, concurrency: int, requests: int
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, int]:
     """``requests`` requests by ``concurrency`` clients in a closed loop, after a warm-up:
-    (latencies in seconds, wall time)."""
+    (latencies in seconds, wall time, failed requests)."""
     data = json.dumps({**BODY, "stream": stream}).encode()
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for _ in range(min(WARMUP, requests)):  # warm-up: connections, caches
             await one(session, url, data)
         latencies: list[float] = []
+        failed = 0
         todo = iter(range(requests))
 
         async def worker() -> None:
+            nonlocal failed
             for _ in todo:
-                latencies.append(await one(session, url, data))
+                got = await one(session, url, data)
+                if got is None:
+                    failed += 1
+                else:
+                    latencies.append(got)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return latencies, wall
+    return latencies, wall, failed
 
 
 def summary(latencies: list[float], wall: float) -> dict[str, float]:
+    if len(latencies) < 2:
+        nan = float("nan")
+        return {"p50_ms": nan, "p99_ms": nan, "mean_ms": nan, "rps": len(latencies) / wall}
     latencies = sorted(latencies)
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     return {
@@ -254,10 +270,12 @@ def measure_cell(
     wall = dict.fromkeys(lat, 0.0)
     cpu = dict.fromkeys(lat, 0.0)
     sent = dict.fromkeys(lat, 0)
+    failed = dict.fromkeys(lat, 0)
     for k in range(rounds):
         for c in contenders[k % len(contenders) :] + contenders[: k % len(contenders)]:
             cpu0 = tree_cpu_seconds(c.pid) if c.pid else 0.0
-            got, w = asyncio.run(load(c.url + "/v1/completions", stream, conc, per_round))
+            got, w, bad = asyncio.run(load(c.url + "/v1/completions", stream, conc, per_round))
+            failed[c.name] += bad
             if c.pid:
                 cpu[c.name] += tree_cpu_seconds(c.pid) - cpu0
             lat[c.name] += got
@@ -266,6 +284,7 @@ def measure_cell(
     out = {}
     for c in contenders:
         out[c.name] = summary(lat[c.name], wall[c.name])
+        out[c.name]["failed"] = failed[c.name]
         if c.pid:
             out[c.name]["cpu_us_per_request"] = cpu[c.name] / sent[c.name] * 1e6
     return out
@@ -505,6 +524,27 @@ def plot(results: list[dict[str, Any]], names: list[str], path: Path, title: str
     return True
 
 
+def write_json(
+    path: Path,
+    results: list[dict[str, Any]],
+    missing: list[str],
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float] | None,
+) -> dict[str, Any]:
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "argv": sys.argv[1:],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"meta": meta, "results": results, "not_measured": missing}, indent=2)
+    )
+    return meta
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -599,6 +639,8 @@ def main() -> None:
                     r["added_p99_ms"] = r["p99_ms"] - d["p99_ms"]
                     r["rps_vs_direct"] = r["rps"] / d["rps"]
                 results.append(row)
+                if args.out:  # after every cell: a run cut short keeps what it measured
+                    write_json(args.out, results, missing, load_before, None)
                 parts = [f"stream={stream!s:5} c={conc:<4}"]
                 for name in names:
                     r = row[name]
@@ -606,6 +648,7 @@ def main() -> None:
                         f"{name} p50 {r['p50_ms']:.2f} ms"
                         + (f" ({r['added_p50_ms']:+.2f})" if name != "direct" else "")
                         + f" {r['rps']:.0f}/s"
+                        + (f" ({r['failed']} FAILED)" if r["failed"] else "")
                     )
                 print(" | ".join(parts), flush=True)
     finally:
@@ -615,21 +658,12 @@ def main() -> None:
     print(f"\nload average before {load_before}, after {load_after} ({os.cpu_count()} CPUs)")
     if missing:
         print("not installed here, not measured:", ", ".join(missing))
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "cpus": os.cpu_count(),
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
-        "argv": sys.argv[1:],
-    }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"meta": meta, "results": results, "not_measured": missing}, indent=2)
-        )
+        write_json(args.out, results, missing, load_before, load_after)
     if args.plot:
         title = (
-            f"proxy overhead on stub backends, {meta['date']}, {os.cpu_count()} CPUs, "
+            f"proxy overhead on stub backends, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
+            f"{os.cpu_count()} CPUs, "
             f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} (noisy: read ratios)"
         )
         if plot(results, names, args.plot, title):
