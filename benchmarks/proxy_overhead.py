@@ -32,12 +32,13 @@ contender's latency minus ``direct``'s at the same percentile; req/s is the thro
 concurrency (at 64 and 256 every contender is saturated, so that is its maximum here);
 CPU/request is the user+system CPU time of the contender's processes over the cell divided by
 the requests it served (warm-up included), the figure least disturbed by other work on the
-machine. The load generator is an aiohttp client in this process: on a small machine every
-process shares the cores, so read ratios within one run, not absolute figures. Writes JSON
+machine. A request that fails (not 200, an error, or over 60 s) is counted by reason, not timed.
+The load generator is an aiohttp client in this process: on a small machine every process shares
+the cores, so read ratios within one run, not absolute figures. Writes JSON
 (``--out``) and a PNG (``--plot``, matplotlib).
 
     python benchmarks/proxy_overhead.py --requests 1000 --concurrency 1 64 256 \\
-        --out results/proxy_overhead.json --plot docs/img/proxy_overhead.png
+        --out runs/proxy_overhead.json --plot docs/img/proxy_overhead.png
 """
 
 from __future__ import annotations
@@ -202,25 +203,25 @@ WARMUP = 20  # per round
 REQUEST_TIMEOUT_S = 60.0
 
 
-async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> float | None:
-    """One request's latency in seconds; None when it failed (counted, not fatal: on a loaded
+async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> float | str:
+    """One request's latency in seconds, or why it failed (counted, not fatal: on a loaded
     machine one stalled request must not lose a whole run)."""
     t0 = time.perf_counter()
     try:
         async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
             await r.read()
             if r.status != 200:
-                return None
-    except (aiohttp.ClientError, TimeoutError):
-        return None
+                return f"HTTP {r.status}"
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return type(e).__name__
     return time.perf_counter() - t0
 
 
 async def load(
     url: str, stream: bool, concurrency: int, requests: int
-) -> tuple[list[float], float, int]:
+) -> tuple[list[float], float, dict[str, int]]:
     """``requests`` requests by ``concurrency`` clients in a closed loop, after a warm-up:
-    (latencies in seconds, wall time, failed requests)."""
+    (latencies in seconds, wall time, failed requests by reason)."""
     data = json.dumps({**BODY, "stream": stream}).encode()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -228,15 +229,14 @@ async def load(
         for _ in range(min(WARMUP, requests)):  # warm-up: connections, caches
             await one(session, url, data)
         latencies: list[float] = []
-        failed = 0
+        failed: dict[str, int] = {}
         todo = iter(range(requests))
 
         async def worker() -> None:
-            nonlocal failed
             for _ in todo:
                 got = await one(session, url, data)
-                if got is None:
-                    failed += 1
+                if isinstance(got, str):
+                    failed[got] = failed.get(got, 0) + 1
                 else:
                     latencies.append(got)
 
@@ -270,12 +270,13 @@ def measure_cell(
     wall = dict.fromkeys(lat, 0.0)
     cpu = dict.fromkeys(lat, 0.0)
     sent = dict.fromkeys(lat, 0)
-    failed = dict.fromkeys(lat, 0)
+    failed: dict[str, dict[str, int]] = {name: {} for name in lat}
     for k in range(rounds):
         for c in contenders[k % len(contenders) :] + contenders[: k % len(contenders)]:
             cpu0 = tree_cpu_seconds(c.pid) if c.pid else 0.0
             got, w, bad = asyncio.run(load(c.url + "/v1/completions", stream, conc, per_round))
-            failed[c.name] += bad
+            for why, count in bad.items():
+                failed[c.name][why] = failed[c.name].get(why, 0) + count
             if c.pid:
                 cpu[c.name] += tree_cpu_seconds(c.pid) - cpu0
             lat[c.name] += got
@@ -648,7 +649,7 @@ def main() -> None:
                         f"{name} p50 {r['p50_ms']:.2f} ms"
                         + (f" ({r['added_p50_ms']:+.2f})" if name != "direct" else "")
                         + f" {r['rps']:.0f}/s"
-                        + (f" ({r['failed']} FAILED)" if r["failed"] else "")
+                        + (f" (FAILED: {r['failed']})" if r["failed"] else "")
                     )
                 print(" | ".join(parts), flush=True)
     finally:
