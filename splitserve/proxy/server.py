@@ -73,13 +73,9 @@ class ProxyState:
         )
 
     async def start(self) -> None:
-        # One keep-alive pool for every upstream request (TCP_NODELAY is on: uvloop and asyncio
-        # set it on every TCP socket). Idle connections are dropped after 4 s, before the
-        # engines' servers close them (uvicorn's keep-alive timeout is 5 s): reusing a
-        # connection the server is closing would fail a request that cannot be retried.
-        connector = aiohttp.TCPConnector(
-            limit=0, ttl_dns_cache=300, keepalive_timeout=4.0, enable_cleanup_closed=True
-        )
+        # One keep-alive pool for every upstream request, unbounded (the clients bound the
+        # concurrency); TCP_NODELAY is on (uvloop and asyncio set it on every TCP socket).
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(
             connector=connector,
             # Bodies are relayed as they come, so ask for none compressed (and decompress none).
