@@ -25,6 +25,8 @@ Each row is measured on NIXL's default path and, with ``--transports default tcp
 - ``ttft_s``: client send -> first streamed token (for sequential flows: including P);
 - ``gap_s``: first streamed token -> second (colocated: one decode step; first-token flow: D's
   DONE wait after P's answer, plus its one forward, which now samples token 2);
+- ``after_p_s`` (flows through the proxy): TTFT minus P's answer time as the proxy measured it,
+  i.e. what the client waits beyond P's prefill (first-token flow: only the proxy's relay);
 - ``handoff_s`` (direct sequential flows): P's answer received -> D's first token (what the
   client waits beyond P's prefill; includes D's one-token forward);
 - ``exposed_s`` (splitserve only): from P's last layer computed to DONE seen at D, from the
@@ -192,14 +194,25 @@ def run_colocated(pair: dict, body: dict) -> dict:
 
 
 def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
-    """Through the splitserve proxy (concurrent flow), as a client sees it."""
+    """Through the splitserve proxy (concurrent flow), as a client sees it. ``after_p_s``: the
+    client's TTFT minus P's answer time as the proxy measured it (its
+    ``splitserve_proxy_prefill_seconds``): what the client waits beyond P's prefill, a figure
+    that a slow or noisy prefill does not blur."""
     name = "vllm:splitserve_exposed_handoff_seconds"
     before = histogram(pair["d"], name)
+    p_before = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
     start = time.perf_counter()
     first, second = token_times(proxy_url, body)
     after = histogram(pair["d"], name)
+    p_after = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
     exposed = (after[0] - before[0]) / max(after[1] - before[1], 1)
-    return {"ttft_s": first - start, "gap_s": second - first, "exposed_s": exposed}
+    prefill = p_after[0] - p_before[0]
+    return {
+        "ttft_s": first - start,
+        "gap_s": second - first,
+        "after_p_s": first - start - prefill,
+        "exposed_s": exposed,
+    }
 
 
 def run_sequential(pair: dict, body: dict, ours: bool) -> dict:
@@ -251,7 +264,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (transport, contender, length), group in sorted(table.items()):
         entry = {"transport": transport, "contender": contender, "length": length}
-        for key in ("ttft_s", "gap_s", "handoff_s", "exposed_s"):
+        for key in ("ttft_s", "gap_s", "after_p_s", "handoff_s", "exposed_s"):
             values = [r[key] for r in group if key in r]
             if values:
                 entry[key] = statistics.median(values)
@@ -270,8 +283,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 def markdown(summary: list[dict]) -> str:
     lines = [
         "| transport | contender | prompt | TTFT ms | TTFT vs colocated | token 1 -> 2 ms | "
-        "gap beyond colocated ms | P answer -> D 1st token ms | exposed (last layer -> DONE) ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "gap beyond colocated ms | TTFT beyond P's answer ms | P answer -> D 1st token ms | "
+        "exposed (last layer -> DONE) ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
 
@@ -281,7 +295,8 @@ def markdown(summary: list[dict]) -> str:
         vs = f"{100 * e['ttft_vs_colocated']:+.1f}%" if "ttft_vs_colocated" in e else "-"
         lines.append(
             f"| {e['transport']} | {e['contender']} | {e['length']} | {ms('ttft_s')} | {vs} | "
-            f"{ms('gap_s')} | {ms('gap_beyond_colocated_s')} | {ms('handoff_s')} | "
+            f"{ms('gap_s')} | {ms('gap_beyond_colocated_s')} | {ms('after_p_s')} | "
+            f"{ms('handoff_s')} | "
             f"{ms('exposed_s')} |"
         )
     return "\n".join(lines)
