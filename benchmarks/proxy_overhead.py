@@ -201,6 +201,7 @@ def run_bare(port: int, prefill: str, decode: str) -> None:
 BODY = {"model": "tiny", "prompt": "hello " * 32, "max_tokens": STREAM_CHUNKS, "temperature": 0}
 WARMUP = 20  # per round
 REQUEST_TIMEOUT_S = 60.0
+PROMPT_CHARS = 0  # --prompt-chars: 0 keeps BODY's prompt (192 characters)
 
 
 async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> float | str:
@@ -223,6 +224,9 @@ async def load(
     """``requests`` requests by ``concurrency`` clients in a closed loop, after a warm-up:
     (latencies in seconds, wall time, failed requests by reason)."""
     data = json.dumps({**BODY, "stream": stream}).encode()
+    if PROMPT_CHARS:
+        data = json.dumps({**BODY, "prompt": "hello " * (PROMPT_CHARS // 6), "stream": stream})
+        data = data.encode()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -393,8 +397,12 @@ class Launcher:
         wait_http(self.stub_p + "/health")
         wait_http(self.stub_d + "/health")
 
-    def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    def spawn(
+        self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd
+        )
         self.procs.append(p)
         return p
 
@@ -406,7 +414,9 @@ class Launcher:
         cmd = [self.py, "-m", "splitserve.cli", "proxy", "--prefill", self.stub_p,
                "--decode", self.stub_d, "--port", str(port), "--workers", str(self.workers),
                *extra]  # fmt: skip
-        p = self.spawn(cmd, env)
+        # ``python -m`` puts the working directory first on sys.path: run a baseline from its
+        # own tree, or it would import the working tree's package.
+        p = self.spawn(cmd, env, cwd=src)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/ready")
         return Contender(name, url, p.pid)
@@ -570,6 +580,10 @@ def main() -> None:
         "--only", nargs="+", default=None, metavar="NAME",
         help="run only these contenders (direct always runs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--prompt-chars", type=int, default=0,
+        help="prompt length in characters (default: 192); long prompts show the JSON cost",
+    )  # fmt: skip
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -579,6 +593,9 @@ def main() -> None:
     if args.bare is not None:
         run_bare(int(args.bare[0]), args.bare[1], args.bare[2])
         return
+
+    global PROMPT_CHARS
+    PROMPT_CHARS = args.prompt_chars
 
     def wanted(name: str) -> bool:
         return args.only is None or name in args.only
