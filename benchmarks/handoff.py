@@ -49,6 +49,7 @@ import argparse
 import json
 import random
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -361,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "2 is enough for prompts up to 2048 on a shared 24 GiB machine)",
     )
     args = parser.parse_args(argv)
+    # A plain kill (SIGTERM) must still stop the servers this run started (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Room for the longest prompt and its tokens, in whole blocks (vLLM checks it fits the KV).
     max_len = max(1024, 2 * max(args.lengths))
 
