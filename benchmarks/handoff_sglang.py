@@ -9,8 +9,11 @@ vLLM rows, on one machine; SGLang servers on the CPU (``splitserve.connectors.sg
 - ``sglang-nixl``: SGLang's own ``nixl`` backend (per chunk, after the forward; on a CPU it
   needs the test environment's shim ``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``, and its NIXL
   progress thread spins a core, so its servers run niced);
-- ``sglang-mooncake-tcp``: SGLang's ``mooncake`` backend over TCP (needs
-  ``mooncake-transfer-engine`` installed; skipped with a message otherwise).
+- ``sglang-mooncake-tcp``: SGLang's ``mooncake`` backend over TCP (``MOONCAKE_PROTOCOL=tcp``,
+  ``MC_FORCE_TCP=1``; per chunk, after the forward). Needs Mooncake's transfer engine, which the
+  optional ``scripts/install_mooncake_cpu.sh VENV`` installs (with ``libibverbs`` unpacked into
+  ``VENV/opt/mooncake-deps/lib``, added here to the servers' ``LD_LIBRARY_PATH``); skipped with
+  a message otherwise. On a CPU it needs the shim's ``SGLANG_CPU_SHIM_MOONCAKE_HOST_INDICES_OFF=1``.
 
 A PD request goes the way SGLang's router sends it: to P and D at the same time with the same
 ``bootstrap_room``; D's stream is what the client sees. Per request:
@@ -27,8 +30,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -41,6 +46,8 @@ from splitserve.launch.process import free_ports
 START_TIMEOUT = 900.0
 CHUNK = 2048  # as the vLLM rows' --max-num-batched-tokens
 NIXL_SPINNER_NICE = 10
+# where scripts/install_mooncake_cpu.sh unpacks libibverbs & co. (Mooncake links them even for TCP)
+MOONCAKE_DEPS = Path(sys.prefix) / "opt" / "mooncake-deps" / "lib"
 
 CONTENDERS = ["sglang-colocated", "sglang-splitserve", "sglang-nixl", "sglang-mooncake-tcp"]
 BACKENDS = {
@@ -53,7 +60,7 @@ BACKENDS = {
             "MOONCAKE_PROTOCOL": "tcp",
             "MC_FORCE_TCP": "1",
         },
-        0,
+        0,  # an idle mooncake-TCP pair used no CPU (30 s measured): not niced
     ),
 }
 
@@ -66,13 +73,44 @@ def available(contenders: list[str]) -> list[str]:
     if importlib.util.find_spec("sglang") is None:
         print("SGLang is not installed: SGLang rows skipped", file=sys.stderr)
         return []
-    if "sglang-mooncake-tcp" in wanted and importlib.util.find_spec("mooncake") is None:
-        print(
-            "mooncake-transfer-engine is not installed: sglang-mooncake-tcp skipped",
-            file=sys.stderr,
-        )
+    if "sglang-mooncake-tcp" in wanted and not _mooncake_works():
         wanted.remove("sglang-mooncake-tcp")
     return wanted
+
+
+def _with_mooncake_deps(env: dict) -> dict:
+    """``env`` with the installer's library directory first on ``LD_LIBRARY_PATH`` (if any)."""
+    if not MOONCAKE_DEPS.is_dir():
+        return env
+    rest = env.get("LD_LIBRARY_PATH", os.environ.get("LD_LIBRARY_PATH", ""))
+    return env | {"LD_LIBRARY_PATH": f"{MOONCAKE_DEPS}:{rest}" if rest else str(MOONCAKE_DEPS)}
+
+
+def _mooncake_works() -> bool:
+    """Whether SGLang's servers will load Mooncake's transfer engine (says why not)."""
+    if importlib.util.find_spec("mooncake") is None:
+        print(
+            "mooncake-transfer-engine is not installed (optional: "
+            "scripts/install_mooncake_cpu.sh VENV): sglang-mooncake-tcp skipped",
+            file=sys.stderr,
+        )
+        return False
+    check = subprocess.run(
+        [sys.executable, "-c", "from mooncake.engine import TransferEngine"],
+        env=_with_mooncake_deps(dict(os.environ)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if check.returncode != 0:
+        error = (check.stderr.strip().splitlines() or ["no output"])[-1]
+        print(
+            f"mooncake.engine does not load ({error}); rerun scripts/install_mooncake_cpu.sh "
+            f"{sys.prefix}: sglang-mooncake-tcp skipped",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _stream(url: str, body: dict) -> list[float]:
@@ -187,6 +225,8 @@ def run(
             backend, backend_env, nice = BACKENDS[name]
             p_port, d_port, bootstrap = free_ports(3)
             server_env = dict(env) | backend_env
+            if backend == "mooncake":
+                server_env = _with_mooncake_deps(server_env)
             common = dict(transfer_backend=backend)
             p = _server(
                 model,
