@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 # NixlConnector's NIXL progress thread holds a core even while idle: lower priority, so that the
-# pair does not starve the servers starting beside it (tests/integration/conftest.py).
+# pair does not starve the servers starting beside it (docs/environment.md).
 NIXL_SPINNER_NICE = 10
 PROMPTS = [
     "7 " + "hello world the quick brown fox " * 15,  # longer than a 128-token block
