@@ -21,7 +21,7 @@ A PD request goes the way SGLang's router sends it: to P and D at the same time 
 - ``ttft_s``: client send -> first streamed token (D's first token is P's sampled token, which
   D receives in the aux buffers with the KV);
 - ``gap_s``: first -> second streamed token (D's first decode step);
-- ``exposed_s`` (``sglang-splitserve`` only): P's last layer computed -> DONE seen at D, from
+- ``exposed_s`` (``sglang-splitserve`` only): P's last forward returned -> DONE seen at D, from
   D's log (``splitserve: room R received, exposed handoff X s``; server timestamps). SGLang's
   own backends report no such figure: compare them by TTFT against ``sglang-colocated``.
 """

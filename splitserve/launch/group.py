@@ -89,14 +89,20 @@ class ServerGroup:
         env: Mapping[str, str] | None = None,
         ready_path: str = "/health",
         nice: int = 0,
+        cpus: Sequence[int] | None = None,
     ) -> Server:
         """Start a process now; it is waited for by ``wait``.
 
         ``nice`` > 0 lowers the process's CPU priority: for servers that spin a core while idle
         (stock NIXL agents poll with no delay), so that they do not starve their neighbours.
+        ``cpus`` pins the process and every child it starts to those cores (``taskset``): a
+        benchmark gives each server of a pair its own cores, as separate hosts would have, so
+        that one server's polling loops cannot slow the other's compute.
         """
         if nice:
             argv = ["nice", "-n", str(nice), *argv]
+        if cpus:
+            argv = ["taskset", "-c", ",".join(str(cpu) for cpu in cpus), *argv]
         if name in self.servers:
             raise ValueError(f"a server named {name!r} is already in this group")
         self._evict_for_one_more()
@@ -122,6 +128,7 @@ class ServerGroup:
         cpu_core: int | None = None,
         env: Mapping[str, str] | None = None,
         nice: int = 0,
+        cpus: Sequence[int] | None = None,
     ) -> Server:
         """Start a stock vLLM OpenAI server (see ``engines.vllm_server``)."""
         port = port or free_port(host)
@@ -135,7 +142,7 @@ class ServerGroup:
             cpu_core=cpu_core,
             env=env,
         )
-        return self.add(name, cmd.argv, port=port, host=host, env=cmd.env, nice=nice)
+        return self.add(name, cmd.argv, port=port, host=host, env=cmd.env, nice=nice, cpus=cpus)
 
     def wait(
         self,

@@ -105,8 +105,9 @@ class Done(_Message):
     transfer_id: str
     num_blocks: int = Field(ge=0)
     prefill_end_wall: float = Field(
-        description="P's wall clock (time.time()) when the last layer of the last chunk was "
-        "computed; D measures the exposed handoff from it (same host or synced clocks)"
+        description="P's wall clock (time.time()) when the forward that completed the prompt "
+        "returned (every layer computed, each layer's WRITE posted as its attention ran); D "
+        "measures the exposed handoff from it (same host or synced clocks)"
     )
     first_token: int | None = Field(
         None,

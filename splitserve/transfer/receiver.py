@@ -46,7 +46,7 @@ S = TransferState
 class Outcome:
     ok: bool
     reason: str = ""
-    exposed_handoff_s: float | None = None  # P's last layer computed -> DONE seen here
+    exposed_handoff_s: float | None = None  # P's last forward returned -> DONE seen here
     first_token: int | None = None  # P's first output token, when the registration asked
 
 

@@ -180,9 +180,17 @@ class KVSender:
 
     def layer_done(self, layer: int) -> None:
         """Post this layer's blocks completed by the running step, for registered transfers.
-        A layer reported twice in one step is posted once."""
+        A layer reported twice in one step is posted once.
+
+        While a request of this step still awaits D's registration, the side channel is read
+        here, per layer: in the concurrent flow P often starts the forward before D's REGISTER
+        arrives, and waiting for the step's end would turn the whole forward's KV into one
+        exposed bulk transfer. A registration that arrives mid-forward catches up on the layers
+        this step already computed (``_on_register``) and streams the rest."""
         if layer in self._layers_seen:
             return
+        if any(out.record.state is S.AWAITING_REGISTRATION for out in self._in_step):
+            self._process_inbox()
         self._layers_seen.add(layer)
         for out in self._in_step:
             if out.record.state is not S.STREAMING or out.step_computed is None:
@@ -190,10 +198,12 @@ class KVSender:
             hi = min(self._ready_blocks(out, out.step_computed), out.end)
             if hi > out.sent_upto:
                 self._post(out, [layer], out.sent_upto, hi)
-            if layer == self.num_layers - 1 and out.step_computed >= out.num_tokens:
-                out.prefill_end_wall = time.time()
 
     def end_step(self) -> None:
+        """The forward returned. For a request whose prompt it completed, this instant is the
+        start of the exposed handoff (what D waits for beyond P's own compute): the last
+        layer's WRITE was posted when its attention ran, during the rest of the forward."""
+        forward_end = time.time()
         # A layer the engine did not report (no per-layer hook ran for it) is posted now, so
         # the watermark below never runs ahead of what was written.
         for layer in range(self.num_layers):
@@ -205,7 +215,7 @@ class KVSender:
                 continue
             out.computed = max(out.computed, out.step_computed)
             if out.computed >= out.num_tokens and out.prefill_end_wall is None:
-                out.prefill_end_wall = time.time()
+                out.prefill_end_wall = forward_end
             if out.record.state is S.STREAMING:
                 out.sent_upto = max(out.sent_upto, min(self._ready_blocks(out), out.end))
                 if out.sent_upto >= out.end:
@@ -465,6 +475,13 @@ class KVSender:
         if hi > out.sent_upto:  # bulk: everything completed before the registration came
             self._post(out, list(range(self.num_layers)), out.sent_upto, hi)
             out.sent_upto = hi
+        if self._stepping and self._layers_seen and any(o is out for o in self._in_step):
+            # Registered mid-forward: this step's blocks of the layers already computed now;
+            # ``layer_done`` posts the remaining layers and ``end_step`` moves the watermark.
+            step_hi = min(self._ready_blocks(out, out.step_computed), out.end)
+            if step_hi > out.sent_upto and out.record.state is S.STREAMING:
+                self._post(out, sorted(self._layers_seen), out.sent_upto, step_hi)
+            return
         if out.record.state is S.STREAMING and out.sent_upto >= out.end:
             out.record.transition(S.FLUSHING)
 

@@ -45,3 +45,36 @@ def test_unbounded_group_keeps_everything(tmp_path) -> None:
         assert all(p.process.alive() for p in procs)
     finally:
         group.stop()
+
+
+def test_cpus_and_nice_apply_to_the_process_and_its_children(tmp_path) -> None:
+    """A benchmark pins each server's whole tree (a vLLM server's engine and worker are its
+    children): the child of the started process has the same affinity and priority."""
+    import os
+
+    import psutil
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    parent = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(120)']); time.sleep(120)",
+    ]
+    group = ServerGroup(tmp_path)
+    try:
+        server = group.add("pinned", parent, port=1, cpus=[cpu], nice=5)
+        deadline = time.monotonic() + 30
+        while True:
+            procs = [p for p in psutil.Process(server.process.proc.pid).children(recursive=True)]
+            pythons = [p for p in procs if "python" in p.name()]
+            if len(pythons) >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        tree = [psutil.Process(server.process.proc.pid), *procs]
+        assert pythons, "the started process did not start its child"
+        for proc in tree:
+            assert proc.cpu_affinity() == [cpu], proc
+            assert proc.nice() == 5, proc
+    finally:
+        group.stop()

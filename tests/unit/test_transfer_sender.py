@@ -110,10 +110,14 @@ def complete_all(agent):
         handle.state = "DONE"
 
 
-def run_prefill(sender, tid, p_blocks, chunks, skip_layers=()):
-    for computed in chunks:
+def run_prefill(sender, tid, p_blocks, chunks, skip_layers=(), before_layer=None):
+    """Steps computing up to each of ``chunks``; ``before_layer(step, layer)`` runs before a
+    layer is reported (e.g. a registration arriving mid-forward)."""
+    for step, computed in enumerate(chunks):
         sender.begin_step([StepUpdate(tid, p_blocks, computed)])
         for layer in range(LAYERS):
+            if before_layer is not None:
+                before_layer(step, layer)
             if layer not in skip_layers:
                 sender.layer_done(layer)
         sender.end_step()
@@ -129,7 +133,7 @@ def copies(agent, with_carrier=False):
     return out
 
 
-@pytest.mark.parametrize("registration", ["early", "late", "middle"])
+@pytest.mark.parametrize("registration", ["early", "late", "middle", "mid-forward"])
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 33, 100])
 def test_every_needed_block_written_exactly_once(registration, num_tokens):
     """Any prompt length, chunking, registration time: each (layer, block) once, then DONE."""
@@ -144,10 +148,18 @@ def test_every_needed_block_written_exactly_once(registration, num_tokens):
     sender.add_request(tid, num_tokens)
     if registration == "early":
         register(channel, tid, dst)
-    run_prefill(sender, tid, p_blocks, chunks[:1])
-    if registration == "middle":
-        register(channel, tid, dst)
-    run_prefill(sender, tid, p_blocks, chunks[1:])
+    if registration == "mid-forward":  # during the last step's forward, after its layer 0
+
+        def mid_forward(step, layer):
+            if step == len(chunks) - 1 and layer == 1:
+                register(channel, tid, dst)
+
+        run_prefill(sender, tid, p_blocks, chunks, before_layer=mid_forward)
+    else:
+        run_prefill(sender, tid, p_blocks, chunks[:1])
+        if registration == "middle":
+            register(channel, tid, dst)
+        run_prefill(sender, tid, p_blocks, chunks[1:])
     sender.finish_request(tid)
     if registration == "late":
         register(channel, tid, dst)
@@ -184,6 +196,28 @@ def test_blocks_go_out_only_when_complete_and_per_layer():
     sender.layer_done(0)
     assert copies(agent)[-1:] == [(0, 2, 6), (0, 3, 7)][-1:]
     assert (0, 2, 6) in copies(agent) and (0, 3, 7) in copies(agent)
+
+
+def test_registration_during_the_forward_streams_the_remaining_layers():
+    """P started the forward before D's REGISTER arrived (the concurrent flow's usual race):
+    the layers already computed go out when it arrives, the rest as they are computed, and
+    nothing waits for the step's end."""
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 32)
+    sender.begin_step([StepUpdate("t", [1, 2], 32)])
+    sender.layer_done(0)
+    assert copies(agent) == []
+    register(channel, "t", [5, 6])
+    sender.layer_done(1)
+    assert sorted(copies(agent)) == [(0, 1, 5), (0, 2, 6), (1, 1, 5), (1, 2, 6)]
+    sender.layer_done(2)
+    assert sorted(copies(agent))[-2:] == [(2, 1, 5), (2, 2, 6)]
+    posted = len(agent.posted)
+    sender.end_step()
+    assert len(agent.posted) == posted  # nothing left for the step's end
+    complete_all(agent)
+    sender.poll()
+    assert [h for h in agent.posted if h.notif], "DONE posted right after the step"
 
 
 def test_a_layer_the_engine_did_not_report_is_posted_at_step_end():

@@ -85,8 +85,8 @@ class SplitservePromMetrics(KVConnectorPromMetrics):
             self.counters[name] = create_metric_per_engine(counter, per_engine_labelvalues)
         handoff = self._histogram_cls(
             name="vllm:splitserve_exposed_handoff_seconds",
-            documentation="Per request: from the prefill side's last layer computed to DONE "
-            "seen on the decode side",
+            documentation="Per request: from the end of the prefill side's last forward (every "
+            "layer computed) to DONE seen on the decode side",
             buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0],
             labelnames=labelnames,
         )
