@@ -136,20 +136,46 @@ async def _stream(
         result.error = repr(exc)
 
 
+def build_schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[float, str]]:
+    """(arrival offset s, "short" | "long"), sorted.
+
+    ``poisson``: shorts as a Poisson stream over the whole window, a long prompt every
+    ``--long-every`` s. ``phased``: the load alternates, every ``--period`` s: a busy phase
+    (the first ``--busy-fraction`` of the period) of Poisson shorts with one long prompt in its
+    middle, then a quiet phase without shorts where ``--quiet-longs`` long prompts arrive
+    together ``--drain`` s after the busy phase ended (the decodes have finished by then). A
+    fixed budget must choose: small chunks protect the busy phase's streams, large ones the
+    quiet phase's long prompts."""
+    schedule: list[tuple[float, str]] = []
+    if args.workload == "poisson":
+        t = 0.0
+        while True:
+            t += rng.expovariate(args.short_rate)
+            if t >= args.duration:
+                break
+            schedule.append((t, "short"))
+        n_long = int(args.duration // args.long_every)
+        schedule += [(k * args.long_every + 0.5, "long") for k in range(n_long)]
+        return sorted(schedule)
+    busy = args.period * args.busy_fraction
+    start = 0.0
+    while start < args.duration:
+        t = start
+        while True:
+            t += rng.expovariate(args.short_rate)
+            if t >= start + busy:
+                break
+            schedule.append((t, "short"))
+        schedule.append((start + busy / 2, "long"))
+        schedule += [(start + busy + args.drain, "long")] * args.quiet_longs
+        start += args.period
+    return sorted(schedule)
+
+
 async def drive(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     """The seeded mixed workload; returns the results and the window length (s)."""
     rng = random.Random(args.seed)
-    schedule: list[tuple[float, str]] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(args.short_rate)
-        if t >= args.duration:
-            break
-        schedule.append((t, "short"))
-    schedule += [
-        (k * args.long_every + 0.5, "long") for k in range(int(args.duration // args.long_every))
-    ]
-    schedule.sort()
+    schedule = build_schedule(args, rng)
 
     results: list[RequestResult] = []
     timeout = aiohttp.ClientTimeout(total=args.duration * 20 + 600)
@@ -310,6 +336,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-prompt", type=int, default=3000)
     p.add_argument("--long-output", type=int, default=8)
     p.add_argument("--long-every", type=float, default=5.0, help="seconds between long prompts")
+    p.add_argument("--workload", choices=("poisson", "phased"), default="poisson")
+    p.add_argument("--period", type=float, default=12.0, help="phased: busy + quiet (s)")
+    p.add_argument("--busy-fraction", type=float, default=0.5, help="phased: busy share")
+    p.add_argument("--quiet-longs", type=int, default=2, help="phased: long prompts when quiet")
+    p.add_argument("--drain", type=float, default=2.0, help="phased: quiet longs' delay (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=4096, help="budget of adaptive and lpt runs")
     p.add_argument("--adaptive-target-ms", type=float, default=None, help="default: SLO ITL x 0.6")

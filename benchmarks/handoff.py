@@ -132,8 +132,18 @@ def splitserve_kv(side_port: int) -> dict:
     }
 
 
-def nixl_kv(connector: str) -> dict:
-    return {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+def nixl_kv(connector: str, role: str) -> dict:
+    """Stock connector config. ``NixlPushConnector`` is one-way (P a producer, D a consumer),
+    holds P's blocks for ``kv_lease_duration`` (prefill here takes up to a minute) and fails a
+    D that no push reached within ``push_registration_timeout``."""
+    if connector != "NixlPushConnector":
+        return {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return {
+        "kv_connector": connector,
+        "kv_role": "kv_producer" if role == "p" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": 600, "push_registration_timeout": 300},
+    }
 
 
 def start_pair(
@@ -161,7 +171,7 @@ def start_pair(
         if kind == "splitserve":
             kv = splitserve_kv(side[core])
         else:
-            kv = nixl_kv(kind)
+            kv = nixl_kv(kind, role)
             server_env.update(
                 VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                 VLLM_NIXL_SIDE_CHANNEL_PORT=str(side[core]),
@@ -228,8 +238,10 @@ def run_sequential(pair: dict, body: dict, ours: bool) -> dict:
     name = "vllm:splitserve_exposed_handoff_seconds"
     before = histogram(pair["d"], name) if ours else None
     start = time.perf_counter()
-    p_answer, p_done = post_json(pair["p"], dispatch.vllm_sequential_prefill_request(body))
-    first, second = token_times(pair["d"], dispatch.vllm_sequential_decode_request(body, p_answer))
+    tid = dispatch.new_transfer_id()  # also the request id on P and D (NixlPushConnector)
+    p_answer, p_done = post_json(pair["p"], dispatch.vllm_sequential_prefill_request(body, tid))
+    d_body = dispatch.vllm_sequential_decode_request(body, p_answer, tid)
+    first, second = token_times(pair["d"], d_body)
     out = {"ttft_s": first - start, "gap_s": second - first, "handoff_s": first - p_done}
     if ours:
         after = histogram(pair["d"], name)
@@ -287,6 +299,84 @@ def summarize(rows: list[dict]) -> list[dict]:
         if "gap_s" in e and "gap_s" in ref:
             e["gap_beyond_colocated_s"] = e["gap_s"] - ref["gap_s"]
     return out
+
+
+def measure_links(transports: list[str]) -> dict[str, dict]:
+    """NIXL WRITE bandwidth between two processes per transport (host memory, target pinned to
+    D's core): the bulk-transfer figure the layer-wise target is stated in."""
+    import os
+
+    from splitserve.planner.nixl_probe import measure_nixl_bandwidth
+
+    links = {}
+    for transport in transports:
+        saved = os.environ.get("UCX_TLS")
+        if transport == "tcp":
+            os.environ["UCX_TLS"] = "tcp"
+        try:
+            bw = measure_nixl_bandwidth([1 << 20, 256 << 20], runs=3, cpu_core=1)
+            links[transport] = {"bytes_per_s": bw.bytes_per_s, "fixed_s": bw.per_transfer_s}
+        except Exception as exc:  # a figure we cannot get is reported, not fatal
+            print(f"NIXL bandwidth probe ({transport}) failed: {exc}", file=sys.stderr)
+        finally:
+            if saved is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = saved
+    return links
+
+
+def targets(summary: list[dict], links: dict[str, dict], model: str = "bench") -> list[dict]:
+    """The connector's targets per transport and length: exposed handoff (concurrent flow) within
+    bulk transfer / layers + 2 ms, and what the client waits beyond P's answer at most 0.25x
+    stock ``NixlConnector``'s (both "P answer -> D's first token")."""
+    spec = resolve_spec(model)
+    per_token = spec.kv_bytes_per_token()
+    by = {(e["transport"], e["contender"], e["length"]): e for e in summary}
+    out = []
+    for transport, length in sorted({(e["transport"], e["length"]) for e in summary}):
+        ours = by.get((transport, "splitserve-concurrent", length))
+        if ours is None:
+            continue
+        row: dict[str, Any] = {"transport": transport, "length": length}
+        link = links.get(transport)
+        if link and "exposed_s" in ours:
+            bulk = link["fixed_s"] + length * per_token / link["bytes_per_s"]
+            row["bulk_s"] = bulk
+            row["bound_s"] = bulk / spec.num_layers + 0.002
+            row["exposed_s"] = ours["exposed_s"]
+            row["exposed_ok"] = ours["exposed_s"] <= row["bound_s"]
+        stock = by.get((transport, "nixl", length))
+        if stock and "handoff_s" in stock and "after_p_s" in ours:
+            row["after_p_s"] = ours["after_p_s"]
+            row["nixl_handoff_s"] = stock["handoff_s"]
+            row["vs_nixl"] = ours["after_p_s"] / stock["handoff_s"]
+            row["vs_nixl_ok"] = row["vs_nixl"] <= 0.25
+        out.append(row)
+    return out
+
+
+def targets_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| transport | prompt | bulk transfer ms | bound: bulk/layers + 2 ms | exposed ms | met | "
+        "ours: P answer -> D 1st token ms | NixlConnector ms | ratio | <= 0.25x |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+
+        def ms(key, r=r):
+            return f"{1e3 * r[key]:.1f}" if key in r else "-"
+
+        def ok(key, r=r):
+            return ("yes" if r[key] else "no") if key in r else "-"
+
+        ratio = f"{r['vs_nixl']:.3f}" if "vs_nixl" in r else "-"
+        lines.append(
+            f"| {r['transport']} | {r['length']} | {ms('bulk_s')} | {ms('bound_s')} | "
+            f"{ms('exposed_s')} | {ok('exposed_ok')} | {ms('after_p_s')} | "
+            f"{ms('nixl_handoff_s')} | {ratio} | {ok('vs_nixl_ok')} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(summary: list[dict]) -> str:
@@ -369,7 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         help="VLLM_CPU_KVCACHE_SPACE per server (the bench model needs 256 KiB per token; "
         "2 is enough for prompts up to 2048 on a shared 24 GiB machine)",
     )
+    parser.add_argument(
+        "--resummarize",
+        type=Path,
+        help="summarize the rows of an earlier run's JSON (measuring the links now) and exit",
+    )
     args = parser.parse_args(argv)
+    if args.resummarize:
+        return resummarize(args)
     # A plain kill (SIGTERM) must still stop the servers this run started (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Room for the longest prompt and its tokens, in whole blocks (vLLM checks it fits the KV).
@@ -436,15 +533,42 @@ def main(argv: list[str] | None = None) -> int:
     import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
 
     rows += handoff_sglang.rows_for(args, work, model, rng)
-    summary = handoff_sglang.relative_to_colocated(summarize(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/handoff.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    args.out.write_text(
-        json.dumps({"command": command, "rows": rows, "summary": summary}, indent=1)
+    report(rows, command, args.out, measure_links(args.transports))
+    return 0
+
+
+def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) -> None:
+    import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
+
+    summary = handoff_sglang.relative_to_colocated(summarize(rows))
+    goals = targets(summary, links)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "command": command,
+                "rows": rows,
+                "summary": summary,
+                "links": links,
+                "targets": goals,
+            },
+            indent=1,
+        )
     )
     print(markdown(summary))
-    if plot(summary, args.out.with_suffix(".png")):
-        print(f"plot: {args.out.with_suffix('.png')}")
+    print()
+    print(targets_markdown(goals))
+    if plot(summary, out.with_suffix(".png")):
+        print(f"plot: {out.with_suffix('.png')}")
+
+
+def resummarize(args: argparse.Namespace) -> int:
+    earlier = json.loads(args.resummarize.read_text())
+    rows = earlier["rows"]
+    transports = sorted({r["transport"] for r in rows})
+    command = earlier.get("command", "(partial)")
+    report(rows, command, args.out, earlier.get("links") or measure_links(transports))
     return 0
 
 

@@ -114,8 +114,13 @@ def vllm_sequential_prefill_request(
     P computes the prompt, samples one token and answers with ``kv_transfer_params`` naming
     itself; those go to D unchanged (``vllm_sequential_decode_request``). ``transfer_id`` is
     added for our connector, which keys the held KV by it; the stock connector ignores it.
+    It is also the request's ``request_id`` on P (and, passed to the decode request, on D):
+    vLLM's ``NixlPushConnector`` pairs D's registration with P's held KV by request id alone,
+    so P and D must serve the request under one id (vLLM then adds its own prefix/suffix).
     """
     prefill = _prefill_only(_client_body(body))
+    if transfer_id is not None:
+        prefill["request_id"] = transfer_id
     params: dict[str, Any] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -131,10 +136,11 @@ def vllm_sequential_prefill_request(
 
 
 def vllm_sequential_decode_request(
-    body: dict[str, Any], prefill_response: dict[str, Any]
+    body: dict[str, Any], prefill_response: dict[str, Any], transfer_id: str | None = None
 ) -> dict[str, Any]:
     """The second request of the vLLM sequential flow: the client's body plus P's returned
-    ``kv_transfer_params``, unchanged.
+    ``kv_transfer_params``, unchanged, under the prefill request's ``transfer_id`` as its
+    ``request_id`` (see ``vllm_sequential_prefill_request``).
 
     Raises ``DispatchError`` when P's answer carries no ``kv_transfer_params`` object (P was
     started without a KV connector, or is not a producer).
@@ -149,6 +155,8 @@ def vllm_sequential_decode_request(
         )
     decode = _client_body(body)
     decode["kv_transfer_params"] = copy.deepcopy(params)
+    if transfer_id is not None:
+        decode["request_id"] = transfer_id
     return decode
 
 

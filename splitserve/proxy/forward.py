@@ -161,14 +161,15 @@ class Forwarder:
     ) -> web.StreamResponse:
         if self._mode == "vllm-sequential":
             tid = dispatch.new_transfer_id()
-            # The id is for our connector behind this flow (stock NixlConnector ignores it).
+            # The id keys our connector's held KV and is the request id on P and D (what
+            # NixlPushConnector pairs them by; NixlConnector ignores both).
             p_body = dispatch.vllm_sequential_prefill_request(body, tid)
             try:
                 answer = await self._prefill(p, path, p_body, deadline)
             except ProxyError as e:
                 raise self._prefill_retry(e, p) from None
             try:
-                d_body = dispatch.vllm_sequential_decode_request(body, answer)
+                d_body = dispatch.vllm_sequential_decode_request(body, answer, tid)
             except dispatch.DispatchError as e:
                 raise UpstreamError(str(e), pool="prefill", server=p.url) from None
             logger.debug("transfer %s: P %s done, D %s", tid, p.url, d.url)

@@ -77,8 +77,10 @@ def test_vllm_sequential_prefill_stock_params() -> None:
     }
     assert prefill["stream"] is False and prefill["max_tokens"] == 1
     assert "stream_options" not in prefill
+    assert "request_id" not in prefill
     with_id = dispatch.vllm_sequential_prefill_request(BODY, "abc")
     assert with_id["kv_transfer_params"]["transfer_id"] == "abc"
+    assert with_id["request_id"] == "abc"  # P and D serve it under one id (NixlPushConnector)
 
 
 def test_vllm_sequential_decode_passes_prefill_params_unchanged() -> None:
@@ -95,6 +97,8 @@ def test_vllm_sequential_decode_passes_prefill_params_unchanged() -> None:
     assert decode == {**BODY, "kv_transfer_params": returned}
     decode["kv_transfer_params"]["remote_block_ids"].append(3)
     assert returned["remote_block_ids"] == [[1, 2]], "decode body must not alias P's answer"
+    same_id = dispatch.vllm_sequential_decode_request(BODY, {"kv_transfer_params": returned}, "t")
+    assert same_id["request_id"] == "t"
 
 
 @pytest.mark.parametrize("answer", [{}, {"kv_transfer_params": None}, [], "x"])
