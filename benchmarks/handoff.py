@@ -515,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
                 for fn in runs.values():
                     fn(pair, request_body(64, rng))  # warm-up of each path
                 for length in args.lengths:
-                    for _ in range(args.repeats):
-                        for name, fn in runs.items():
+                    for repeat in range(args.repeats):
+                        # Every other repeat runs the contenders in reverse order, so that no
+                        # contender always follows the same one (warm caches, a D's leftovers).
+                        order = list(runs.items())
+                        for name, fn in order if repeat % 2 == 0 else order[::-1]:
                             result = fn(pair, request_body(length, rng))
                             rows.append(
                                 {"transport": transport, "contender": name, "length": length}

@@ -4,8 +4,13 @@
 by a ``KVLayout`` with its real memory type (DRAM for host memory), prepares one descriptor
 list over every (layer, block, run) of the local cache and of each peer's cache, and posts
 WRITE or READ transfers for lists of (layer, local block, remote block) triples. It imports no
-engine; it runs in the thread that calls it (NIXL's own progress thread is off by default: it
-keeps a whole core busy, see ENVIRONMENT.md, so callers poll through ``check``/``notifications``).
+engine. NIXL's own progress thread is off: it polls with no delay and keeps a whole core busy
+(ENVIRONMENT.md). Instead, while WRITEs posted here are in flight, a thread of ours drives their
+progress every ``progress_interval_s`` and sleeps in between: on a transport that copies at post
+time (UCX ``cma``, host memory here) it finds them done at once, but over ``tcp`` (and RDMA
+rendezvous) a posted WRITE moves only while someone calls into NIXL, so without it a layer
+posted during the forward would wait for the step's end. Every call into the NIXL agent holds
+one lock (the agent is made without NIXL's own thread safety).
 
 Invariants:
 - Every block id is validated against the layer of the layout it indexes before anything is
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -90,6 +96,7 @@ class XferHandle:
     nixl_handle: object
     num_bytes: int
     tags: dict = field(default_factory=dict)
+    settled: str | None = None  # "DONE" / "ERR" once seen so (NIXL is not asked again)
 
 
 class KVAgent:
@@ -101,12 +108,18 @@ class KVAgent:
         layout: KVLayout,
         *,
         backend_params: dict[str, str] | None = None,
-        progress_thread: bool = False,
+        progress_interval_s: float = 0.001,
     ) -> None:
         nixl_agent, nixl_agent_config = _nixl_api()
         self.name = name
         self.layout = layout
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        self._lock = threading.RLock()  # every call into self._agent
+        self._progress_interval_s = progress_interval_s
+        self._in_flight: dict[int, XferHandle] = {}  # id -> posted, not yet seen settled
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._progress: threading.Thread | None = None
+        config = nixl_agent_config(enable_prog_thread=False, backends=[])
         self._agent = nixl_agent(name, config)
         self._agent.create_backend("UCX", dict(backend_params or {}))
         ranges = layout.memory_ranges()
@@ -130,7 +143,8 @@ class KVAgent:
     # -- metadata and peers -------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
+        with self._lock:
+            return self._agent.get_agent_metadata()
 
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
@@ -143,22 +157,25 @@ class KVAgent:
         problem = self.layout.incompatibility(layout)
         if problem:
             raise ValueError(f"peer KV layout incompatible: {problem}")
-        agent_name = self._agent.add_remote_agent(agent_metadata)
-        if isinstance(agent_name, bytes):
-            agent_name = agent_name.decode()
-        if agent_name in self._peers:
-            return agent_name
         index = _DescriptorIndex(layout)
-        dlist = self._agent.prep_xfer_dlist(agent_name, index.descriptors(), layout.memory)
-        self._peers[agent_name] = _Peer(agent_name, layout, index, dlist)
+        descriptors = index.descriptors()
+        with self._lock:
+            agent_name = self._agent.add_remote_agent(agent_metadata)
+            if isinstance(agent_name, bytes):
+                agent_name = agent_name.decode()
+            if agent_name in self._peers:
+                return agent_name
+            dlist = self._agent.prep_xfer_dlist(agent_name, descriptors, layout.memory)
+            self._peers[agent_name] = _Peer(agent_name, layout, index, dlist)
         return agent_name
 
     def remove_peer(self, agent_name: str) -> None:
-        peer = self._peers.pop(agent_name, None)
-        if peer is None:
-            return
-        peer.dlist.release()
-        self._agent.remove_remote_agent(agent_name)
+        with self._lock:
+            peer = self._peers.pop(agent_name, None)
+            if peer is None:
+                return
+            peer.dlist.release()
+            self._agent.remove_remote_agent(agent_name)
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -197,50 +214,96 @@ class KVAgent:
         local_idx = self._index.indices(layer_arr, np.asarray(local_blocks, dtype=np.int64))
         remote_idx = peer.index.indices(layer_arr, np.asarray(remote_blocks, dtype=np.int64))
         num_bytes = sum(self.layout.layers[layer].block_bytes for layer in layers)
-        try:
-            handle = self._agent.make_prepped_xfer(
-                operation, self._local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
-            )
-        except Exception as exc:  # nixl raises its own error types; carry the reason up
-            raise TransferPostError(f"make_prepped_xfer to {peer_name}: {exc}") from exc
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            handle.release()
-            raise TransferPostError(f"transfer to {peer_name}: {exc}") from exc
-        if state == "ERR":
-            handle.release()
-            raise TransferPostError(f"transfer to {peer_name} failed at post")
-        return XferHandle(peer=peer_name, nixl_handle=handle, num_bytes=num_bytes)
+        with self._lock:
+            try:
+                handle = self._agent.make_prepped_xfer(
+                    operation, self._local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
+                )
+            except Exception as exc:  # nixl raises its own error types; carry the reason up
+                raise TransferPostError(f"make_prepped_xfer to {peer_name}: {exc}") from exc
+            try:
+                state = self._agent.transfer(handle)
+            except Exception as exc:
+                handle.release()
+                raise TransferPostError(f"transfer to {peer_name}: {exc}") from exc
+            if state == "ERR":
+                handle.release()
+                raise TransferPostError(f"transfer to {peer_name} failed at post")
+            posted = XferHandle(peer=peer_name, nixl_handle=handle, num_bytes=num_bytes)
+            if state == "DONE":
+                posted.settled = "DONE"
+            elif self._progress_interval_s > 0:
+                self._in_flight[id(posted)] = posted
+                self._start_progress()
+                self._wake.notify()
+        return posted
 
     def check(self, handle: XferHandle) -> str:
         """ "DONE", "PROC" or "ERR" (a disconnected peer reads as "ERR")."""
+        with self._lock:
+            return self._check_locked(handle)
+
+    def _check_locked(self, handle: XferHandle) -> str:
+        if handle.settled is not None:
+            return handle.settled
         try:
-            return self._agent.check_xfer_state(handle.nixl_handle)
+            state = self._agent.check_xfer_state(handle.nixl_handle)
         except Exception as exc:
             logger.warning("transfer to %s failed: %s", handle.peer, exc)
-            return "ERR"
+            state = "ERR"
+        if state != "PROC":
+            handle.settled = state
+            self._in_flight.pop(id(handle), None)
+        return state
 
     def release(self, handle: XferHandle) -> None:
-        try:
-            handle.nixl_handle.release()
-        except Exception as exc:
-            # NIXL refuses to release a transfer it cannot cancel; the handle is leaked to the
-            # agent's own cleanup list rather than silently dropped.
-            logger.error("could not release transfer handle to %s: %s", handle.peer, exc)
+        with self._lock:
+            self._in_flight.pop(id(handle), None)
+            try:
+                handle.nixl_handle.release()
+            except Exception as exc:
+                # NIXL refuses to release a transfer it cannot cancel; the handle is leaked to
+                # the agent's own cleanup list rather than silently dropped.
+                logger.error("could not release transfer handle to %s: %s", handle.peer, exc)
 
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name (also drives NIXL progress)."""
-        return self._agent.get_new_notifs()
+        with self._lock:
+            return self._agent.get_new_notifs()
+
+    def _start_progress(self) -> None:
+        """Start the progress thread (lock held); it sleeps while nothing is in flight."""
+        if self._progress is None and not self._closing:
+            self._progress = threading.Thread(
+                target=self._progress_loop, name=f"splitserve-progress-{self.name}", daemon=True
+            )
+            self._progress.start()
+
+    def _progress_loop(self) -> None:
+        with self._lock:
+            while not self._closing:
+                if not self._in_flight:
+                    self._wake.wait()
+                    continue
+                for handle in list(self._in_flight.values()):
+                    self._check_locked(handle)
+                # Sleep with the lock released: the engine's thread posts and polls meanwhile.
+                self._wake.wait(self._progress_interval_s)
 
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        if self._progress is not None:
+            self._progress.join(timeout=5)
         for name in list(self._peers):
             try:
                 self.remove_peer(name)
             except Exception as exc:
                 logger.warning("removing peer %s at close: %s", name, exc)
-        try:
-            self._local_dlist.release()
-            self._agent.deregister_memory(self._reg)
-        except Exception as exc:
-            logger.warning("deregistering KV memory at close: %s", exc)
+        with self._lock:
+            try:
+                self._local_dlist.release()
+                self._agent.deregister_memory(self._reg)
+            except Exception as exc:
+                logger.warning("deregistering KV memory at close: %s", exc)
