@@ -383,7 +383,7 @@ def markdown(summary: list[dict]) -> str:
     lines = [
         "| transport | contender | prompt | TTFT ms | TTFT vs colocated | token 1 -> 2 ms | "
         "gap beyond colocated ms | TTFT beyond P's answer ms | P answer -> D 1st token ms | "
-        "exposed (last layer -> DONE) ms |",
+        "exposed (forward end -> DONE) ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
@@ -411,19 +411,28 @@ def plot(summary: list[dict], path: Path) -> bool:
         return False
     transports = sorted({e["transport"] for e in summary})
     fig, axes = plt.subplots(1, len(transports), figsize=(6 * len(transports), 4), squeeze=False)
+    contenders = sorted({e["contender"] for e in summary})
+    colors = {c: f"C{i}" for i, c in enumerate(contenders)}  # one color per contender
     for ax, transport in zip(axes[0], transports, strict=True):
-        for contender in sorted({e["contender"] for e in summary}):
+        for contender in contenders:
+            # What the client waits beyond P's answer: measured at the client for the direct
+            # sequential flows, through the proxy for the concurrent ones.
             points = [
-                (e["length"], 1e3 * e["handoff_s"])
+                (e["length"], 1e3 * e.get("handoff_s", e.get("after_p_s", 0.0)))
                 for e in summary
-                if e["transport"] == transport and e["contender"] == contender and "handoff_s" in e
+                if e["transport"] == transport
+                and e["contender"] == contender
+                and ("handoff_s" in e or "after_p_s" in e)
             ]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=contender)
-        ax.set_title(f"P answer -> D first token ({transport})")
+                ax.plot(
+                    *zip(*points, strict=True), marker="o", label=contender, color=colors[contender]
+                )
+        ax.set_title(f"beyond P's answer to D's first token ({transport})")
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("ms")
-        ax.legend()
+        ax.set_ylabel("ms (log)")
+        ax.set_yscale("log")
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     return True
