@@ -12,7 +12,9 @@ seeded mixed workload with a small streaming driver of ours, stops the server, a
 
 Workload: short prompts with long outputs, arriving as a seeded Poisson stream, plus a long
 prompt every ``--long-every`` seconds (fresh random token ids; prefix caching off, so no prompt
-is ever a cache hit). Rivals: ``--max-num-batched-tokens`` 256 / 512 / 1024 / 2048 / 4096, and
+is ever a cache hit); or, with ``--workload phased``, busy phases of shorts alternating with
+quiet phases of long prompts (``build_schedule``). Rivals: ``--max-num-batched-tokens`` 256 /
+512 / 1024 / 2048 / 4096, and
 ``--long-prefill-token-threshold`` 256 with a 4096 budget, plain and with
 ``--long-prefill-token-threshold-adaptive``. vLLM's ``prefill_schedule_interval`` applies only to
 data-parallel MoE engines (``DPEngineCoreProc``), so it has no effect on one dense-model engine and
