@@ -367,6 +367,11 @@ def targets(summary: list[dict], links: dict[str, dict], model: str = "bench") -
     return out
 
 
+def _ms(row: dict, key: str) -> str:
+    """A seconds figure of a table row in milliseconds, "-" where the row has none."""
+    return f"{1e3 * row[key]:.1f}" if key in row else "-"
+
+
 def targets_markdown(rows: list[dict]) -> str:
     lines = [
         "| transport | prompt | bulk transfer ms | bound: bulk/layers + 2 ms | exposed ms | met | "
@@ -378,7 +383,7 @@ def targets_markdown(rows: list[dict]) -> str:
     for r in rows:
 
         def ms(key, r=r):
-            return f"{1e3 * r[key]:.1f}" if key in r else "-"
+            return _ms(r, key)
 
         def ok(key, r=r):
             return ("yes" if r[key] else "no") if key in r else "-"
@@ -406,7 +411,7 @@ def markdown(summary: list[dict]) -> str:
     for e in summary:
 
         def ms(key, e=e):
-            return f"{1e3 * e[key]:.1f}" if key in e else "-"
+            return _ms(e, key)
 
         vs = f"{100 * e['ttft_vs_colocated']:+.1f}%" if "ttft_vs_colocated" in e else "-"
         lines.append(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+
+import psutil
 
 from splitserve.launch.group import ServerGroup
 
@@ -50,10 +53,6 @@ def test_unbounded_group_keeps_everything(tmp_path) -> None:
 def test_cpus_and_nice_apply_to_the_process_and_its_children(tmp_path) -> None:
     """A benchmark pins each server's whole tree (a vLLM server's engine and worker are its
     children): the child of the started process has the same affinity and priority."""
-    import os
-
-    import psutil
-
     cpu = sorted(os.sched_getaffinity(0))[-1]
     parent = [
         sys.executable,
@@ -64,15 +63,12 @@ def test_cpus_and_nice_apply_to_the_process_and_its_children(tmp_path) -> None:
     group = ServerGroup(tmp_path)
     try:
         server = group.add("pinned", parent, port=1, cpus=[cpu], nice=5)
+        root = psutil.Process(server.process.proc.pid)
         deadline = time.monotonic() + 30
-        while True:
-            procs = [p for p in psutil.Process(server.process.proc.pid).children(recursive=True)]
-            pythons = [p for p in procs if "python" in p.name()]
-            if len(pythons) >= 1 or time.monotonic() > deadline:
-                break
+        while not (children := root.children(recursive=True)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        tree = [psutil.Process(server.process.proc.pid), *procs]
-        assert pythons, "the started process did not start its child"
+        assert children, "the started process did not start its child"
+        tree = [root, *children]
         for proc in tree:
             assert proc.cpu_affinity() == [cpu], proc
             assert proc.nice() == 5, proc
