@@ -58,9 +58,11 @@ def nixl_pair(servers, tiny_model):
                 nice=NIXL_SPINNER_NICE,
             )
         )
-    # Started now so that its start-up overlaps the pair's; waited for by ``victim``.
+    # Started now so that its start-up overlaps the pair's, and waited for here too: a server
+    # starting at normal priority starves the niced pair's HTTP front ends, and the first
+    # requests through the proxy then failed on its 5 s connect timeout (a CI failure).
     servers.vllm("proxy-victim", tiny_model, cpu_core=0, wait=False)
-    servers.wait_all("vllm-nixl-p", "vllm-nixl-d")
+    servers.wait_all("vllm-nixl-p", "vllm-nixl-d", "proxy-victim")
     return started[0], started[1]
 
 
