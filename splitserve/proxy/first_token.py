@@ -31,6 +31,7 @@ from aiohttp import web
 
 from splitserve.proxy import dispatch, stitch
 from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, UpstreamTimeout
+from splitserve.proxy.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
     from splitserve.proxy.forward import Forwarder, Outcome
@@ -72,7 +73,7 @@ async def attempt(
     gauge = fw.metrics.of(fw.metrics.in_flight, *d.labels)
     gauge.inc()
     open_task = asyncio.ensure_future(fw._open_decode(d, path, d_body, stream, deadline))
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     try:
         # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
         until = min(deadline, t0 + fw._first_byte_s)
@@ -128,7 +129,7 @@ async def attempt(
                 resp, raw = await _within(open_task, deadline)
             except ProxyError:
                 raise
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 raise _decode_error(fw, e, d, _Retry) from None
             resp.release()  # read to the end: the connection goes back to the pool
             if resp.status != 200:
@@ -154,7 +155,7 @@ async def attempt(
             rewriter = stitch.StreamRewriter(head)
             try:
                 resp, first = await _within(open_task, min(deadline, p_done + fw._first_byte_s))
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 err = fw._map_error(e, d, "the decode server's first byte")
                 outcome.error_kind = f"midstream_{err.kind}"
                 await out.write(_error_event(err.body()["error"]))
@@ -200,7 +201,7 @@ def _decode_error(fw: Forwarder, e: BaseException, d: Backend, retry_cls) -> Exc
     """D failed before anything reached the client: retry a failed connect, else report."""
     if isinstance(e, ProxyError):
         return e
-    if isinstance(e, aiohttp.ClientError | TimeoutError | OSError):
+    if isinstance(e, TimeoutError | OSError):
         err = fw._map_error(e, d, "the decode server")
         if err.connect_failed:
             return retry_cls(err, d, "decode_connect")

@@ -51,6 +51,7 @@ from splitserve.proxy.health import HealthTracker
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool, prompt_head
 from splitserve.proxy.stitch import first_token_eligible, max_new_tokens
+from splitserve.proxy.upstream import UpstreamClient, UpstreamConnectError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +81,19 @@ class Outcome:
 
 
 class Forwarder:
-    """Pairs, dispatches and relays; owns no sockets of its own (the session does)."""
+    """Pairs, dispatches and relays; owns no sockets of its own (the upstream client does)."""
 
     def __init__(
         self,
         config: ProxyConfig,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         prefill: Pool,
         decode: Pool,
         tracker: HealthTracker,
         metrics: ProxyMetrics,
     ) -> None:
         self.config = config
-        self.session = session
+        self.client = client
         self.prefill = prefill
         self.decode = decode
         self.tracker = tracker
@@ -100,10 +101,6 @@ class Forwarder:
         t = config.timeouts
         self._first_byte_s = t.first_byte_s
         self._idle_s = t.stream_idle_s
-        self._headers = {"Content-Type": "application/json"}
-        if config.upstream_api_key is not None:
-            key = config.upstream_api_key.get_secret_value()
-            self._headers["Authorization"] = f"Bearer {key}"
         self._mode = "sglang" if config.engine == "sglang" else f"vllm-{config.flow}"
         self._first_token = bool(config.first_token_from_prefill)
 
@@ -252,7 +249,7 @@ class Forwarder:
 
     def _map_error(self, e: BaseException, b: Backend, what: str) -> UpstreamError:
         where = f"{b.pool} server {b.url}"
-        if isinstance(e, aiohttp.ConnectionTimeoutError):
+        if isinstance(e, UpstreamConnectError) and e.timed_out:
             self.tracker.connect_failed(b, f"connect timeout: {e}")
             return UpstreamTimeout(
                 f"{where}: connect timed out", pool=b.pool, server=b.url, connect_failed=True
@@ -261,10 +258,10 @@ class Forwarder:
             return UpstreamTimeout(
                 f"{where}: timed out waiting for {what}", pool=b.pool, server=b.url
             )
-        if isinstance(e, aiohttp.ClientConnectorError):
+        if isinstance(e, UpstreamConnectError):
             self.tracker.connect_failed(b, f"cannot connect: {e}")
             return UpstreamError(
-                f"{where}: cannot connect ({e.os_error})",
+                f"{where}: cannot connect ({e})",
                 pool=b.pool,
                 server=b.url,
                 connect_failed=True,
@@ -292,7 +289,7 @@ class Forwarder:
                 )
             except ProxyError:
                 raise
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 raise self._map_error(e, p, "the prefill answer") from None
             if status != 200:
                 raise UpstreamStatus(status, raw, pool=p.pool, server=p.url)
@@ -319,24 +316,22 @@ class Forwarder:
     async def _post_read(
         self, b: Backend, path: str, payload: dict[str, Any], deadline: float
     ) -> tuple[int, bytes]:
-        # No timeout object per request: the session bounds the connect, the caller the rest.
-        # No redirects: the proxy only ever connects to the configured servers.
-        async with self.session.post(
-            b.url + path, data=jsonio.dumps(payload), headers=self._headers, allow_redirects=False
-        ) as resp:
+        # The client bounds the connect, the caller the rest.
+        resp = await self.client.post(b.url, path, jsonio.dumps(payload))
+        try:
             return resp.status, await resp.read()
+        finally:
+            resp.release()  # read to the end: back to the pool; cancelled: closed
 
     async def _open_decode(
         self, d: Backend, path: str, payload: dict[str, Any], stream: bool, deadline: float
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
+    ) -> tuple[UpstreamResponse, bytes]:
         """D's response with its first chunk (streaming) or its whole body (not)."""
-        resp = await self.session.post(
-            d.url + path, data=jsonio.dumps(payload), headers=self._headers, allow_redirects=False
-        )
+        resp = await self.client.post(d.url, path, jsonio.dumps(payload))
         try:
             if resp.status != 200 or not stream:
                 return resp, await resp.read()
-            return resp, await resp.content.readany()
+            return resp, await resp.readany()
         except BaseException:
             resp.close()
             raise
@@ -362,9 +357,9 @@ class Forwarder:
         d.outstanding += 1
         gauge = self.metrics.of(self.metrics.in_flight, *d.labels)
         gauge.inc()
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         opening = self._open_decode(d, path, d_body, stream, deadline)
-        open_task: asyncio.Future[tuple[aiohttp.ClientResponse, bytes]] | None = None
+        open_task: asyncio.Future[tuple[UpstreamResponse, bytes]] | None = None
         try:
             # Phase 1: until D's first byte, nothing is committed and P is watched.
             wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
@@ -388,7 +383,7 @@ class Forwarder:
                 resp, first = await _within(open_task or opening, until)
             except ProxyError:
                 raise
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 err = self._map_error(e, d, "the decode server's first byte")
                 if err.connect_failed:
                     raise _Retry(err, d, "decode_connect") from None
@@ -438,7 +433,7 @@ class Forwarder:
 
     async def _relay(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         out: web.StreamResponse,
         d: Backend,
         outcome: Outcome,
@@ -452,13 +447,12 @@ class Forwarder:
         upstream failure ends the client's stream with an SSE ``error`` event (the status line
         is already sent, so the status cannot change any more).
         """
-        content = resp.content
         loop = asyncio.get_running_loop()
         idle = self._idle_s
         while True:
             try:
-                chunk = await _read_until(content, min(loop.time() + idle, deadline))
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                chunk = await _within(resp.readany(), min(loop.time() + idle, deadline))
+            except (TimeoutError, OSError) as e:
                 err = self._map_error(e, d, "the next chunk")
                 outcome.error_kind = f"midstream_{err.kind}"
                 logger.warning("decode stream broke: %s", err.message)
@@ -485,7 +479,3 @@ else:  # pragma: no cover - Python 3.10
     async def _within(aw: Awaitable[Any], when: float) -> Any:
         remaining = max(0.0, when - asyncio.get_running_loop().time())
         return await asyncio.wait_for(aw, remaining)
-
-
-async def _read_until(content: aiohttp.StreamReader, when: float) -> bytes:
-    return await _within(content.readany(), when)

@@ -1,0 +1,374 @@
+"""The proxy's HTTP/1.1 client to the engines: keep-alive connections on asyncio protocols.
+
+Runs in the proxy process, on its event loop; ``Forwarder`` sends every prefill and decode
+request through one ``UpstreamClient``. Why not aiohttp's client: measured with
+``benchmarks/proxy_overhead.py``, its request machinery was most of the proxy's CPU per request
+(the same proxy on this client spends a half to a quarter of the CPU per request and serves 1.6
+to 2x the requests per second; docs/benchmarks.md). Parsing is httptools' (llhttp, the C parser
+behind Node.js and uvicorn); this module only frames requests, pools connections and hands body
+bytes to the caller as they arrive.
+
+Scope: what the proxy needs and nothing more. ``POST`` with a complete body (the proxy has parsed
+it), responses with ``Content-Length``, chunked or close-delimited bodies, ``http`` and
+``https``. No redirects, cookies, compression or proxies: the proxy talks only to the configured
+servers and relays bodies as they come.
+
+Invariants:
+- A connection serves one request at a time. It goes back to its pool only after its response
+  was read to the end and both sides allow keep-alive; any other ending (an error, a cancelled
+  caller, ``close()``) aborts it, so the server sees the request end (vLLM then aborts the
+  request and frees its KV).
+- A request that fails on a reused connection before any byte of the answer arrived (the server
+  closed the idle connection as we sent) is sent again once on a new connection: the server
+  never read it.
+- Reads from a connection pause while more than ``_HIGH_WATER`` bytes wait for a slow caller.
+- Errors are ``UpstreamConnectError`` (could not connect; ``timed_out`` says whether the
+  connect timed out) and ``UpstreamDisconnected`` (the connection broke or the answer was not
+  HTTP), both ``ConnectionError``; timeouts other than connect are the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import ssl
+from urllib.parse import urlsplit
+
+import httptools
+
+logger = logging.getLogger(__name__)
+
+_HIGH_WATER = 256 * 1024  # buffered body bytes above which reading pauses
+_LOW_WATER = 64 * 1024
+
+
+class UpstreamConnectError(ConnectionError):
+    """No connection to the server: refused, unreachable, or the connect timed out."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class UpstreamDisconnected(ConnectionError):
+    """The connection broke before the answer was complete, or the answer was not HTTP."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: parses the answer to the request in flight."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.lost = False
+        self.got_bytes = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self.response is None:  # bytes with no request in flight: not a server to keep
+            self.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamDisconnected(f"{self.pool.origin}: unexpected protocol upgrade"))
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamDisconnected(f"{self.pool.origin}: invalid HTTP answer ({e})"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.forget(self)
+        r = self.response
+        if r is None:
+            return
+        if r.headers_done and not r.complete and r.close_delimited:
+            self.on_message_complete()  # the end of a body without length or chunking
+            return
+        reason = f": {exc}" if exc else ""
+        self._fail(UpstreamDisconnected(f"{self.pool.origin}: connection closed{reason}"))
+
+    def pause_writing(self) -> None:  # request bodies are small; the kernel buffers them
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        r = self.response
+        assert r is not None
+        r.status = self.parser.get_status_code()
+        r.headers_done = True
+        names = {n.lower() for n, _ in r.raw_headers}
+        r.close_delimited = b"content-length" not in names and b"transfer-encoding" not in names
+        r._wake()
+
+    def on_body(self, body: bytes) -> None:
+        r = self.response
+        assert r is not None
+        r._feed(body)
+        if r.buffered > _HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()
+            r.paused = True
+
+    def on_message_complete(self) -> None:
+        r = self.response
+        assert r is not None
+        r.keep_alive = self.parser.should_keep_alive() and not r.close_delimited
+        r.complete = True
+        r._wake()
+
+    # ours
+    def send(self, request: bytes, response: UpstreamResponse) -> None:
+        assert self.transport is not None
+        self.response = response
+        self.got_bytes = False
+        self.parser = httptools.HttpResponseParser(self)
+        response._conn = self
+        self.transport.write(request)
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+        self.lost = True
+        self.pool.forget(self)
+
+    def _fail(self, error: Exception) -> None:
+        r = self.response
+        self.abort()
+        if r is not None and not r.complete:
+            r._fail(error)
+
+
+class UpstreamResponse:
+    """The answer to one request: status and headers first, then the body as it comes."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.complete = False
+        self.close_delimited = False
+        self.keep_alive = False
+        self.paused = False
+        self.buffered = 0
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._conn: _Connection | None = None
+        self._done = False  # released or closed
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (case-insensitive), or None."""
+        key = name.lower().encode()
+        for n, v in self.raw_headers:
+            if n.lower() == key:
+                return v.decode("latin-1")
+        return None
+
+    async def readany(self) -> bytes:
+        """The body bytes that arrived since the last read (waits for some); b"" at the end."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            await self._wait()
+        data = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+        self._chunks.clear()
+        self.buffered = 0
+        if self.paused and self._conn is not None:
+            self.paused = False
+            self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        parts = []
+        while True:
+            chunk = await self.readany()
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    def release(self) -> None:
+        """Done with the answer: the connection goes back to its pool when the answer was read
+        to the end and both sides keep it alive, else it is closed."""
+        if self._done:
+            return
+        self._done = True
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        conn.response = None
+        if self.complete and self.keep_alive and not conn.lost:
+            conn.pool.put(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Abandon the answer: the connection is closed (the server sees the request end)."""
+        if self._done:
+            return
+        self._done = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.response = None
+            conn.abort()
+
+    # called by the connection
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self.buffered += len(data)
+        self._wake()
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def _headers(self) -> None:
+        while not self.headers_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+
+class _Pool:
+    """Idle keep-alive connections to one origin (scheme, host, port)."""
+
+    def __init__(self, origin: str, connect_timeout_s: float) -> None:
+        parts = urlsplit(origin)
+        self.origin = origin
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if parts.scheme == "https" else None
+        )
+        self.netloc = parts.netloc
+        self.connect_timeout_s = connect_timeout_s
+        self.idle: list[_Connection] = []
+
+    def put(self, conn: _Connection) -> None:
+        self.idle.append(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+    def take(self) -> _Connection | None:
+        while self.idle:
+            conn = self.idle.pop()  # the most recently used: the least likely to be stale
+            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl is not None else None,
+                ),
+                self.connect_timeout_s,
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamConnectError(
+                f"{self.origin}: connect timed out after {self.connect_timeout_s:g} s",
+                timed_out=True,
+            ) from None
+        except OSError as e:
+            raise UpstreamConnectError(f"{self.origin}: {e.strerror or e}") from None
+        return conn
+
+    def close(self) -> None:
+        for conn in list(self.idle):
+            conn.abort()
+        self.idle.clear()
+
+
+class UpstreamClient:
+    """Keep-alive HTTP/1.1 requests to a fixed set of origins (the configured servers)."""
+
+    def __init__(self, connect_timeout_s: float, headers: dict[str, str] | None = None) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._extra = extra.encode("latin-1")
+        self._pools: dict[str, _Pool] = {}
+
+    def _pool(self, origin: str) -> _Pool:
+        pool = self._pools.get(origin)
+        if pool is None:
+            pool = self._pools[origin] = _Pool(origin, self.connect_timeout_s)
+        return pool
+
+    async def post(self, origin: str, path: str, body: bytes) -> UpstreamResponse:
+        """POST ``body`` (JSON) to ``origin + path``; returns once the status and headers
+        arrived. The caller reads the body and then calls ``release()`` (or ``close()``)."""
+        pool = self._pool(origin)
+        request = (
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%s\r\n"
+            % (path.encode(), pool.netloc.encode(), len(body), self._extra)
+        ) + body
+        conn = pool.take()
+        if conn is not None:
+            response = UpstreamResponse()
+            try:
+                conn.send(request, response)
+                await response._headers()
+                return response
+            except UpstreamDisconnected:
+                if conn.got_bytes:
+                    response.close()
+                    raise
+                response.close()  # stale idle connection: the server never read the request
+                logger.debug("%s: reused connection closed before answering; reconnecting", origin)
+            except BaseException:
+                response.close()
+                raise
+        conn = await pool.connect()
+        response = UpstreamResponse()
+        try:
+            conn.send(request, response)
+            await response._headers()
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    def close(self) -> None:
+        """Close every idle connection (responses still held are closed by their holders)."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

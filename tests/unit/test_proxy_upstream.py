@@ -1,0 +1,313 @@
+"""The proxy's HTTP/1.1 client (``splitserve.proxy.upstream``) against real sockets on loopback.
+
+The servers here are scripted asyncio servers that write raw HTTP bytes, so each test controls
+exactly what the client sees (keep-alive, chunking, a close mid-body, a stale idle connection,
+garbage); they are stand-ins for the engines' HTTP servers, used only to unit-test the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from splitserve.proxy.upstream import UpstreamClient, UpstreamConnectError, UpstreamDisconnected
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and body (Content-Length framed, as the client sends)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length)
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+class Scripted:
+    """A loopback server running ``handler`` per connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(r, w)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            w.close()
+
+    @property
+    def origin(self) -> str:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def scripted(handler: Handler) -> AsyncIterator[Scripted]:
+    s = Scripted(handler)
+    s.server = await asyncio.start_server(s._serve, "127.0.0.1", 0)
+    try:
+        yield s
+    finally:
+        s.server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    c = UpstreamClient(connect_timeout_s=2.0, headers={"Authorization": "Bearer k"})
+    yield c
+    c.close()
+
+
+async def keep_alive_echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    while True:
+        head, body = await read_request(r)
+        w.write(ok(head + body))
+        await w.drain()
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_request(client) -> None:
+    async with scripted(keep_alive_echo) as s:
+        for i in range(3):
+            resp = await client.post(s.origin, "/v1/completions", b'{"i": %d}' % i)
+            assert resp.status == 200
+            echoed = await resp.read()
+            resp.release()
+            assert echoed.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+            assert b"\r\nContent-Type: application/json\r\n" in echoed
+            assert b"\r\nAuthorization: Bearer k\r\n" in echoed
+            assert b"\r\nHost: 127.0.0.1:" in echoed
+            assert echoed.endswith(b'{"i": %d}' % i)
+        assert s.connections == 1
+
+
+async def test_chunked_stream_arrives_piece_by_piece(client) -> None:
+    go = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await w.drain()
+        await go.wait()
+        w.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await w.drain()
+        await r.read()  # keep the connection open
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.readany() == b"first"  # before the server sent the rest
+        go.set()
+        assert await resp.read() == b"second"
+        assert await resp.readany() == b""
+        resp.release()
+        assert len(client._pools[s.origin].idle) == 1  # complete and keep-alive: pooled
+
+
+async def test_stale_idle_connection_is_replaced_once(client) -> None:
+    async def one_then_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(ok(b"a"))
+        await w.drain()
+        # Close the idle connection the moment the next request starts to arrive, without
+        # reading it: the client must have sent on a connection the server was leaving.
+        await r.read(1)
+
+    async with scripted(one_then_close) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.read() == b"a"
+        resp.release()
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.read() == b"a"
+        resp.release()
+        assert s.connections == 2
+
+
+async def test_connection_refused_is_a_connect_error(client) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(UpstreamConnectError) as e:
+            await client.post(f"http://127.0.0.1:{port}", "/x", b"{}")
+    assert not e.value.timed_out
+
+
+async def test_connect_timeout_is_a_timed_out_connect_error() -> None:
+    # A listener whose accept queue is full drops further SYNs: the connect hangs.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(8):
+            f = socket.socket()
+            f.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                f.connect(("127.0.0.1", port))
+            fillers.append(f)
+        await asyncio.sleep(0.2)
+        c = UpstreamClient(connect_timeout_s=0.3)
+        with pytest.raises(UpstreamConnectError) as e:
+            await c.post(f"http://127.0.0.1:{port}", "/x", b"{}")
+        assert e.value.timed_out
+    finally:
+        for f in fillers:
+            f.close()
+        listener.close()
+
+
+async def test_close_mid_body_is_disconnected_and_not_pooled(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await w.drain()
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.readany() == b"partial"
+        with pytest.raises(UpstreamDisconnected):
+            await resp.readany()
+        resp.release()
+        assert not client._pools[s.origin].idle
+
+
+async def test_close_delimited_body_reads_to_eof_and_is_not_pooled(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.read() == b"until the end"
+        resp.release()
+        assert not client._pools[s.origin].idle
+
+
+async def test_connection_close_header_is_honoured(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(ok(b"x", b"Connection: close\r\n"))
+        await w.drain()
+        await r.read()
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.read() == b"x"
+        assert resp.header("connection") == "close"
+        resp.release()
+        assert not client._pools[s.origin].idle
+
+
+async def test_garbage_answer_is_disconnected(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await w.drain()
+        await r.read()
+
+    async with scripted(handler) as s:
+        with pytest.raises(UpstreamDisconnected):
+            await client.post(s.origin, "/x", b"{}")
+
+
+async def test_cancelled_reader_closes_the_connection(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+        await w.drain()
+        await r.read()  # returns when the client closes
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.readany() == b"a"
+        task = asyncio.ensure_future(resp.readany())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        resp.close()
+        await asyncio.wait_for(s.closed.wait(), 5)  # the server saw the request end
+
+
+async def test_cancel_while_waiting_for_headers_closes_the_connection(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        await r.read()  # never answers; returns when the client closes
+
+    async with scripted(handler) as s:
+        task = asyncio.ensure_future(client.post(s.origin, "/x", b"{}"))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(s.closed.wait(), 5)
+        assert not client._pools[s.origin].idle
+
+
+async def test_release_before_the_end_closes_instead_of_pooling(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345")
+        await w.drain()
+        await r.read()
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert await resp.readany() == b"12345"
+        resp.release()
+        assert not client._pools[s.origin].idle
+        await asyncio.wait_for(s.closed.wait(), 5)
+
+
+async def test_slow_reader_gets_every_byte_of_a_large_body(client) -> None:
+    size = 4 * 1024 * 1024
+    payload = bytes(range(256)) * (size // 256)
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(ok(payload))
+        await w.drain()
+        await r.read()
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        got = bytearray()
+        while chunk := await resp.readany():
+            got += chunk
+            await asyncio.sleep(0.001)  # a slow consumer: the connection pauses and resumes
+        resp.release()
+        assert bytes(got) == payload
+        assert len(client._pools[s.origin].idle) == 1
+
+
+async def test_error_status_and_body_are_returned(client) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            body = b'{"error": "bad"}'
+            w.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await w.drain()
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        assert resp.status == 400
+        assert await resp.read() == b'{"error": "bad"}'
+        resp.release()
+        assert len(client._pools[s.origin].idle) == 1
