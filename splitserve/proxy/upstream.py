@@ -217,6 +217,8 @@ class UpstreamResponse:
             return
         conn.response = None
         if self.complete and self.keep_alive and not conn.lost:
+            if self.paused:  # the body was complete but not all read: reading must go on
+                conn.resume()
             conn.pool.put(conn)
         else:
             conn.abort()

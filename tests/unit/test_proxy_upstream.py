@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from splitserve.proxy import upstream
 from splitserve.proxy.upstream import UpstreamClient, UpstreamConnectError, UpstreamDisconnected
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -311,3 +312,32 @@ async def test_error_status_and_body_are_returned(client) -> None:
         assert await resp.read() == b'{"error": "bad"}'
         resp.release()
         assert len(client._pools[s.origin].idle) == 1
+
+
+async def test_connection_pooled_after_a_big_unread_body_still_reads(client, monkeypatch) -> None:
+    # The whole body arrives in one read that also crosses the high-water mark: reading pauses
+    # on a complete answer. Released unread, the connection must not go back paused.
+    monkeypatch.setattr(upstream, "_HIGH_WATER", 1000)
+    big = b"x" * 4000
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(ok(big))
+        await w.drain()
+        await read_request(r)
+        w.write(ok(b"second"))
+        await w.drain()
+        await r.read()
+
+    async with scripted(handler) as s:
+        resp = await client.post(s.origin, "/x", b"{}")
+        for _ in range(500):
+            if resp.complete:
+                break
+            await asyncio.sleep(0.01)
+        assert resp.complete and resp.paused
+        resp.release()  # complete, never read: pooled
+        resp = await asyncio.wait_for(client.post(s.origin, "/x", b"{}"), 5)
+        assert await asyncio.wait_for(resp.read(), 5) == b"second"
+        resp.release()
+        assert s.connections == 1
