@@ -34,7 +34,7 @@ from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, U
 from splitserve.proxy.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
-    from splitserve.proxy.forward import Forwarder, Outcome
+    from splitserve.proxy.forward import Call, Forwarder
     from splitserve.proxy.routing import Backend
 
 logger = logging.getLogger(__name__)
@@ -42,21 +42,12 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 
-async def attempt(
-    fw: Forwarder,
-    request: web.Request,
-    route: str,
-    path: str,
-    body: dict[str, Any],
-    p: Backend,
-    d: Backend,
-    stream: bool,
-    deadline: float,
-    outcome: Outcome,
-    t_start: float,
-) -> web.StreamResponse:
+async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.StreamResponse:
     """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing."""
     from splitserve.proxy.forward import _Retry, _within
+
+    request, route, path, body = call.request, call.route, call.path, call.body
+    stream, deadline, outcome, t_start = call.stream, call.deadline, call.outcome, call.t_start
 
     loop = asyncio.get_running_loop()
     side = p.settings

@@ -80,6 +80,20 @@ class Outcome:
     error_kind: str | None = None
 
 
+@dataclass
+class Call:
+    """One client request as it goes through its attempts (the same for every pair tried)."""
+
+    request: web.Request
+    route: str  # "completions" or "chat"
+    path: str  # the upstream path, e.g. /v1/completions
+    body: dict[str, Any]
+    stream: bool
+    deadline: float  # loop time by which everything must be over
+    outcome: Outcome
+    t_start: float  # loop time the request arrived
+
+
 class Forwarder:
     """Pairs, dispatches and relays; owns no sockets of its own (the upstream client does)."""
 
@@ -110,10 +124,17 @@ class Forwarder:
         self, request: web.Request, route: str, path: str, body: dict[str, Any], outcome: Outcome
     ) -> web.StreamResponse:
         """Serve one request; raises ``ProxyError`` for anything answered before streaming."""
-        loop = asyncio.get_running_loop()
-        t_start = loop.time()
-        deadline = t_start + self.config.timeouts.total_s
-        stream = bool(body.get("stream"))
+        t_start = asyncio.get_running_loop().time()
+        call = Call(
+            request,
+            route,
+            path,
+            body,
+            bool(body.get("stream")),
+            t_start + self.config.timeouts.total_s,
+            outcome,
+            t_start,
+        )
         routing = self.config.routing
         key = prompt_head(body, routing.prefix_chars) if routing.prefix_affinity else None
         failed: list[Backend] = []
@@ -127,9 +148,7 @@ class Forwarder:
                     raise last from None
                 raise
             try:
-                return await self._attempt(
-                    request, route, path, body, p, d, stream, deadline, outcome, t_start
-                )
+                return await self._attempt(call, p, d)
             except _Retry as r:
                 last = r.error
                 failed.append(r.failed)
@@ -143,19 +162,8 @@ class Forwarder:
 
     # ------------------------------------------------------------------ one attempt
 
-    async def _attempt(
-        self,
-        request: web.Request,
-        route: str,
-        path: str,
-        body: dict[str, Any],
-        p: Backend,
-        d: Backend,
-        stream: bool,
-        deadline: float,
-        outcome: Outcome,
-        t_start: float,
-    ) -> web.StreamResponse:
+    async def _attempt(self, call: Call, p: Backend, d: Backend) -> web.StreamResponse:
+        path, body, deadline = call.path, call.body, call.deadline
         if self._mode == "vllm-sequential":
             tid = dispatch.new_transfer_id()
             # The id keys our connector's held KV and is the request id on P and D (what
@@ -171,29 +179,13 @@ class Forwarder:
                 raise UpstreamError(str(e), pool="prefill", server=p.url) from None
             logger.debug("transfer %s: P %s done, D %s", tid, p.url, d.url)
             p_done = asyncio.get_running_loop().time()
-            return await self._decode(
-                request, route, path, d_body, d, stream, deadline, outcome, t_start, None, p_done
-            )
+            return await self._decode(call, d_body, d, None, p_done)
 
         if self._mode == "vllm-concurrent" and self._first_token and first_token_eligible(body):
             if max_new_tokens(body) == 1:
                 # One token is P's whole job: P serves it alone, as a colocated server.
-                return await self._decode(
-                    request,
-                    route,
-                    path,
-                    dispatch.colocated_request(body),
-                    p,
-                    stream,
-                    deadline,
-                    outcome,
-                    t_start,
-                    None,
-                    None,
-                )
-            return await first_token.attempt(
-                self, request, route, path, body, p, d, stream, deadline, outcome, t_start
-            )
+                return await self._decode(call, dispatch.colocated_request(body), p, None, None)
+            return await first_token.attempt(self, call, p, d)
 
         if self._mode == "vllm-concurrent":
             side = p.settings
@@ -208,19 +200,7 @@ class Forwarder:
         p_task = asyncio.ensure_future(self._prefill(p, path, p_body, deadline))
         served = False
         try:
-            response = await self._decode(
-                request,
-                route,
-                path,
-                d_body,
-                d,
-                stream,
-                deadline,
-                outcome,
-                t_start,
-                (p, p_task),
-                None,
-            )
+            response = await self._decode(call, d_body, d, (p, p_task), None)
             served = True
             return response
         finally:
@@ -340,25 +320,20 @@ class Forwarder:
 
     async def _decode(
         self,
-        request: web.Request,
-        route: str,
-        path: str,
+        call: Call,
         d_body: dict[str, Any],
         d: Backend,
-        stream: bool,
-        deadline: float,
-        outcome: Outcome,
-        t_start: float,
         prefill: tuple[Backend, asyncio.Future[dict[str, Any]]] | None,
         p_done: float | None,
     ) -> web.StreamResponse:
+        route, stream, deadline, outcome = call.route, call.stream, call.deadline, call.outcome
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         d.outstanding += 1
         gauge = self.metrics.of(self.metrics.in_flight, *d.labels)
         gauge.inc()
         resp: UpstreamResponse | None = None
-        opening = self._open_decode(d, path, d_body, stream, deadline)
+        opening = self._open_decode(d, call.path, d_body, stream, deadline)
         open_task: asyncio.Future[tuple[UpstreamResponse, bytes]] | None = None
         try:
             # Phase 1: until D's first byte, nothing is committed and P is watched.
@@ -401,14 +376,14 @@ class Forwarder:
                 resp.release()  # read to the end: the connection goes back to the pool
                 resp = None
                 self.metrics.of(self.metrics.upstream, *d.labels).observe(t_first - t0)
-                self.metrics.of(self.metrics.ttft, route).observe(t_first - t_start)
+                self.metrics.of(self.metrics.ttft, route).observe(t_first - call.t_start)
                 outcome.status = 200
                 return web.Response(body=first, status=200, content_type="application/json")
             out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             try:
-                await out.prepare(request)
+                await out.prepare(call.request)
                 await out.write(first)
-                self.metrics.of(self.metrics.ttft, route).observe(loop.time() - t_start)
+                self.metrics.of(self.metrics.ttft, route).observe(loop.time() - call.t_start)
                 outcome.status = 200
                 if await self._relay(resp, out, d, outcome, deadline):
                     resp.release()
