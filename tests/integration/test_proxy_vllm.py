@@ -78,6 +78,10 @@ def proxy_config(prefill: list[str], decode: list[str], **kw):
             "prefill": [{"url": u} for u in prefill],
             "decode": [{"url": u} for u in decode],
             "health": {"interval_s": 0.5, "timeout_s": 5},
+            # The stock-NIXL servers here run niced beside spinning engines: under a loaded
+            # machine a loopback connect to them was seen to pass the 5 s default (and fail a
+            # test about something else). Connect failures are tested with refused connects.
+            "timeouts": {"connect_s": 30},
             **kw,
         }
     )
