@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import trustme
 
 from splitserve.proxy import upstream
 from splitserve.proxy.upstream import UpstreamClient, UpstreamConnectError, UpstreamDisconnected
@@ -61,9 +63,9 @@ class Scripted:
 
 
 @contextlib.asynccontextmanager
-async def scripted(handler: Handler) -> AsyncIterator[Scripted]:
+async def scripted(handler: Handler, tls: ssl.SSLContext | None = None) -> AsyncIterator[Scripted]:
     s = Scripted(handler)
-    s.server = await asyncio.start_server(s._serve, "127.0.0.1", 0)
+    s.server = await asyncio.start_server(s._serve, "127.0.0.1", 0, ssl=tls)
     try:
         yield s
     finally:
@@ -341,3 +343,43 @@ async def test_connection_pooled_after_a_big_unread_body_still_reads(client, mon
         assert await asyncio.wait_for(resp.read(), 5) == b"second"
         resp.release()
         assert s.connections == 1
+
+
+@pytest.fixture
+def tls_server_context() -> tuple[trustme.CA, ssl.SSLContext]:
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    return ca, context
+
+
+async def test_https_server_with_a_trusted_certificate(tls_server_context, tmp_path, monkeypatch):
+    ca, context = tls_server_context
+    bundle = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))  # how a user adds a private CA
+    c = UpstreamClient(connect_timeout_s=5.0)
+    try:
+        async with scripted(keep_alive_echo, tls=context) as s:
+            origin = s.origin.replace("http://", "https://")
+            for _ in range(2):
+                resp = await c.post(origin, "/v1/completions", b"{}")
+                assert resp.status == 200
+                assert (await resp.read()).startswith(b"POST /v1/completions HTTP/1.1\r\n")
+                resp.release()
+            assert s.connections == 1
+    finally:
+        c.close()
+
+
+async def test_https_server_with_an_untrusted_certificate_is_a_connect_error(
+    tls_server_context,
+) -> None:
+    _, context = tls_server_context
+    c = UpstreamClient(connect_timeout_s=5.0)
+    try:
+        async with scripted(keep_alive_echo, tls=context) as s:
+            with pytest.raises(UpstreamConnectError, match="certificate"):
+                await c.post(s.origin.replace("http://", "https://"), "/x", b"{}")
+    finally:
+        c.close()
