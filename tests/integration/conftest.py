@@ -16,6 +16,66 @@ SGLANG_START_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
+class SplitservePair:
+    """Two vLLM servers with ``SplitserveConnector`` (``kv_both``), keys ``ss-a`` / ``ss-b``, each
+    on its own core; either can prefill for the other. ``pair[key]`` is ``(url, side_port)``."""
+
+    servers: dict[str, tuple[str, int]]
+    auth_key: str = "splitserve-test-key"
+    budget: int = 512  # --max-num-batched-tokens
+
+    def __getitem__(self, key: str) -> tuple[str, int]:
+        return self.servers[key]
+
+    @property
+    def extra_args(self) -> list[str]:
+        return ["--max-model-len", "2048", "--max-num-batched-tokens", str(self.budget)]
+
+    def kv_config(self, side_port: int) -> dict:
+        """The pair's ``--kv-transfer-config`` (also for a third server that joins it)."""
+        return {
+            "kv_connector": "SplitserveConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "side_channel_port": side_port,
+                "auth_key": self.auth_key,
+                "lease_s": 20,
+                "done_timeout_s": 300,  # generous: other work shares these 2 cores
+            },
+        }
+
+
+@pytest.fixture(scope="module")
+def ss_pair(servers, tiny_model) -> SplitservePair:
+    """The pair, started once per session (the connector and proxy modules share it). Whoever
+    starts it chooses the side ports, so they are read back from the servers' command lines."""
+    import json
+
+    from splitserve.launch.process import free_ports
+
+    pair = SplitservePair({})
+    keys = ("ss-a", "ss-b")
+    for core, (key, side_port) in enumerate(zip(keys, free_ports(2), strict=True)):
+        if key not in servers.group.servers:
+            servers.vllm(
+                key,
+                tiny_model,
+                kv_transfer_config=pair.kv_config(side_port),
+                extra_args=pair.extra_args,
+                cpu_core=core,
+                wait=False,
+            )
+    servers.wait_all(*keys)
+    for key in keys:
+        server = servers.group.servers[key]
+        argv = server.process.argv
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        side_port = int(config["kv_connector_extra_config"]["side_channel_port"])
+        pair.servers[key] = (server.url, side_port)
+    return pair
+
+
+@dataclass(frozen=True)
 class SglangPD:
     """A real SGLang PD pair (splitserve's transfer backend on host memory) and SGLang's router."""
 

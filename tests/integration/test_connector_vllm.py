@@ -29,52 +29,13 @@ from splitserve.transfer import messages
 pytestmark = pytest.mark.integration
 
 BLOCK = 128
-BUDGET = 512
-AUTH_KEY = "splitserve-test-key"
 MAX_TOKENS = 6
-_PORTS = free_ports(2)
-SIDE_PORTS = {"ss-a": _PORTS[0], "ss-b": _PORTS[1]}
-
-
-def kv_config(side_port: int) -> dict:
-    return {
-        "kv_connector": "SplitserveConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "side_channel_port": side_port,
-            "auth_key": AUTH_KEY,
-            "lease_s": 20,
-            "done_timeout_s": 300,  # generous: other work shares these 2 cores
-        },
-    }
 
 
 @pytest.fixture(scope="module")
-def pair(servers, tiny_model):
-    """The two connector servers (started together), as {name: (url, side_port)}.
-
-    Other tests share them by key (tests/integration/test_proxy_splitserve.py); whoever starts
-    them first chooses the ports, so the side port is read back from the server's command line.
-    """
-    extra = ["--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET)]
-    for core, key in enumerate(SIDE_PORTS):
-        if key not in servers.group.servers:
-            servers.vllm(
-                key,
-                tiny_model,
-                kv_transfer_config=kv_config(SIDE_PORTS[key]),
-                extra_args=extra,
-                cpu_core=core,
-                wait=False,
-            )
-    servers.wait_all(*SIDE_PORTS)
-    out = {}
-    for key in SIDE_PORTS:
-        server = servers.group.servers[key]
-        argv = server.process.argv
-        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        out[key] = (server.url, int(config["kv_connector_extra_config"]["side_channel_port"]))
-    return out
+def pair(ss_pair):
+    """The two connector servers (tests/integration/conftest.py, shared with the proxy tests)."""
+    return ss_pair
 
 
 # -- HTTP helpers --------------------------------------------------------------------------------
@@ -286,14 +247,14 @@ def test_forged_and_unannounced_registrations_are_refused(pair):
         signed = messages.Register(
             transfer_id="unannounced", agent_name="mallory", block_ids=[[0]], token_offset=0
         )
-        sock.send(messages.encode(signed, AUTH_KEY.encode()))
+        sock.send(messages.encode(signed, pair.auth_key.encode()))
         # An idle engine does not step; the worker reads its side channel when it does. Serve a
         # request (and check it is right) so that it steps.
         prompt = prompt_of(200, 800)
         answer = concurrent_flow(pair["ss-a"], pair["ss-b"], prompt)
         assert_same(answer, reference(a_url, prompt), "next to forged messages")
         assert sock.poll(30_000), "no answer to a signed registration without HELLO"
-        answer = messages.decode(sock.recv(), AUTH_KEY.encode())
+        answer = messages.decode(sock.recv(), pair.auth_key.encode())
         assert isinstance(answer, messages.Abort) and answer.transfer_id == "unannounced"
         assert "HELLO" in answer.reason
         assert not sock.poll(500), "the forged registration must get no answer"
@@ -334,7 +295,7 @@ def test_abort_on_decode_side_tells_prefill_and_frees(pair):
 
 def test_no_leak_and_metrics(pair):
     """After everything above: no blocks held anywhere, transfers counted, none failed."""
-    urls = [pair[key][0] for key in SIDE_PORTS]
+    urls = [url for url, _ in pair.servers.values()]
     prompt = prompt_of(300, 950)  # at least one transfer, also when run on its own
     assert_same(concurrent_flow(pair["ss-a"], pair["ss-b"], prompt), reference(urls[0], prompt), "")
     for url in urls:
@@ -401,8 +362,8 @@ def test_decode_killed_mid_transfer_prefill_frees_and_serves(pair, servers, tiny
     victim = servers.vllm(
         "ss-victim-d",
         tiny_model,
-        kv_transfer_config=kv_config(free_ports(1)[0]),
-        extra_args=["--max-model-len", "2048", "--max-num-batched-tokens", str(BUDGET)],
+        kv_transfer_config=pair.kv_config(free_ports(1)[0]),
+        extra_args=pair.extra_args,
         cpu_core=1,
     )
     received = metric(a_url, "vllm:splitserve_registrations_received_total")

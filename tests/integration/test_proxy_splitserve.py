@@ -9,16 +9,14 @@ request (``max_tokens=1``, a stop token). Prompts are text, as clients send: the
 flow's only documented difference is the text of a token at the seam when the prompt or the
 first token ends inside a multi-byte character (docs/proxy.md), which random token ids hit.
 
-Shares the connector tests' servers (keys ``ss-a`` / ``ss-b``): when they already run, their
-side-channel ports are read from their command lines; otherwise they are started here with the
-same settings the connector tests use. Only successful flows run here, so the connector tests'
-"no failed transfer" check on those servers still holds.
+Shares the connector tests' servers (the ``ss_pair`` fixture of tests/integration/conftest.py,
+keys ``ss-a`` / ``ss-b``). Only successful flows run here, so the connector tests' "no failed
+transfer" check on those servers still holds.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import random
 import re
 import time
@@ -28,55 +26,10 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from splitserve.launch.process import free_ports
 from splitserve.proxy.config import build_config
 from splitserve.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.integration
-
-# The connector tests' settings for these shared servers (tests/integration/test_connector_vllm.py).
-AUTH_KEY = "splitserve-test-key"
-EXTRA_ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "512"]
-
-
-def _kv_config(side_port: int) -> dict:
-    return {
-        "kv_connector": "SplitserveConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "side_channel_port": side_port,
-            "auth_key": AUTH_KEY,
-            "lease_s": 20,
-            "done_timeout_s": 300,
-        },
-    }
-
-
-def _side_port(argv: list[str]) -> int:
-    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    return int(config["kv_connector_extra_config"]["side_channel_port"])
-
-
-@pytest.fixture(scope="module")
-def ss_pair(servers, tiny_model) -> dict[str, tuple[str, int]]:
-    """{key: (url, side_channel_port)} of the two SplitserveConnector servers."""
-    ports = dict(zip(("ss-a", "ss-b"), free_ports(2), strict=True))
-    for core, key in enumerate(ports):
-        if key not in servers.group.servers:
-            servers.vllm(
-                key,
-                tiny_model,
-                kv_transfer_config=_kv_config(ports[key]),
-                extra_args=EXTRA_ARGS,
-                cpu_core=core,
-                wait=False,
-            )
-    servers.wait_all(*ports)
-    out = {}
-    for key in ports:
-        server = servers.group.servers[key]
-        out[key] = (server.url, _side_port(server.process.argv))
-    return out
 
 
 @pytest.fixture(scope="module")
