@@ -116,25 +116,38 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def _sum(metrics: dict[str, float], name: str) -> float:
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """The sum of metric ``name`` over all its label sets (0 when absent)."""
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
-def handoff_summary(runner: DeploymentRunner) -> list[str]:
-    """KV bytes moved and exposed handoff, from the engine servers' metrics."""
+# SplitserveConnector's metrics on each vLLM server's /metrics
+# (splitserve/connectors/vllm/stats.py; docs/connector-protocol.md, "Metrics").
+KV_BYTES_SENT = "vllm:splitserve_bytes_sent_total"
+TRANSFERS_COMPLETED = "vllm:splitserve_transfers_completed_total"
+LOADS_COMPLETED = "vllm:splitserve_loads_completed_total"
+EXPOSED_HANDOFF = "vllm:splitserve_exposed_handoff_seconds"
+
+
+def handoff_summary(servers: list[tuple[str, str]]) -> list[str]:
+    """KV bytes moved and exposed handoff per ``(name, base_url)`` engine server, from its
+    metrics: a prefill server reports what it sent, a decode server what it loaded."""
     lines = []
-    for s in runner.planned:
-        m = scrape(f"http://127.0.0.1:{s.port}")
-        moved = _sum(m, "splitserve_kv_bytes_total")
-        xfers = _sum(m, "splitserve_kv_transfers_total")
-        h_sum = _sum(m, "splitserve_kv_exposed_handoff_seconds_sum")
-        h_cnt = _sum(m, "splitserve_kv_exposed_handoff_seconds_count")
-        line = f"{s.name}: {moved / 2**20:.2f} MiB of KV in {xfers:.0f} transfers"
+    for name, url in servers:
+        m = scrape(url)
+        sent = metric_sum(m, KV_BYTES_SENT)
+        transfers = metric_sum(m, TRANSFERS_COMPLETED)
+        loads = metric_sum(m, LOADS_COMPLETED)
+        h_sum = metric_sum(m, EXPOSED_HANDOFF + "_sum")
+        h_cnt = metric_sum(m, EXPOSED_HANDOFF + "_count")
+        parts = []
+        if transfers or sent:
+            parts.append(f"sent {sent / 2**20:.2f} MiB of KV in {transfers:.0f} transfers")
+        if loads:
+            parts.append(f"loaded the KV of {loads:.0f} requests")
         if h_cnt:
-            line += (
-                f"; exposed handoff mean {1000 * h_sum / h_cnt:.2f} ms over {h_cnt:.0f} requests"
-            )
-        lines.append(line)
+            parts.append(f"exposed handoff mean {1000 * h_sum / h_cnt:.2f} ms")
+        lines.append(f"{name}: {'; '.join(parts) if parts else 'no KV moved'}")
     return lines
 
 
@@ -152,5 +165,6 @@ def run_demo(runner: DeploymentRunner, echo: Callable[[str], None]) -> None:
             f"{a.completion_tokens} tokens\n"
         )
     echo("KV handoff (from the servers' /metrics):")
-    for line in handoff_summary(runner):
+    servers = [(s.name, f"http://127.0.0.1:{s.port}") for s in runner.planned]
+    for line in handoff_summary(servers):
         echo(f"  {line}")

@@ -15,6 +15,13 @@ import psutil
 import pytest
 import yaml
 
+from splitserve.launch.demo import (
+    LOADS_COMPLETED,
+    TRANSFERS_COMPLETED,
+    handoff_summary,
+    metric_sum,
+    scrape,
+)
 from splitserve.launch.process import ManagedProcess, free_ports, http_ok
 
 pytestmark = pytest.mark.integration
@@ -81,6 +88,22 @@ def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
         with urllib.request.urlopen(req, timeout=300) as r:
             out = json.loads(r.read())
         assert out["usage"]["completion_tokens"] > 0
+        # The KV went from P to D through our connector, and the demo's report reads it.
+        servers = [
+            ("prefill-0", f"http://127.0.0.1:{data['prefill']['base_port']}"),
+            ("decode-0", f"http://127.0.0.1:{data['decode']['base_port']}"),
+        ]
+        p_url, d_url = servers[0][1], servers[1][1]
+        up.wait_ready(
+            lambda: (
+                metric_sum(scrape(p_url), TRANSFERS_COMPLETED) >= 1
+                and metric_sum(scrape(d_url), LOADS_COMPLETED) >= 1
+            ),
+            timeout=60,
+            interval=1,
+        )
+        report = handoff_summary(servers)
+        assert "in 1 transfers" in report[0] and "loaded the KV of 1 requests" in report[1], report
         children = _descendants(up)
         assert len(children) >= 3  # two engine servers (plus their workers) and the proxy
     finally:
