@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from splitserve.proxy import jsonio
+
 
 def error_body(
     message: str, err_type: str, code: int | str | None = None, param: str | None = None
@@ -91,8 +93,8 @@ class UpstreamStatus(ProxyError):
 
     def body(self) -> dict[str, Any]:
         try:
-            parsed = json.loads(self.raw_body)
-        except (ValueError, UnicodeDecodeError):
+            parsed = jsonio.loads(self.raw_body)
+        except (ValueError, RecursionError):
             parsed = None
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
             return parsed

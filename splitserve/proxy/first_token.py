@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
-from splitserve.proxy import dispatch, stitch
+from splitserve.proxy import dispatch, jsonio, stitch
 from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, UpstreamTimeout
 from splitserve.proxy.upstream import UpstreamResponse
 
@@ -126,8 +125,8 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
             if resp.status != 200:
                 raise UpstreamStatus(resp.status, raw, pool=d.pool, server=d.url)
             try:
-                merged = head.merge(json.loads(raw))
-            except (ValueError, TypeError, AttributeError):
+                merged = head.merge(jsonio.loads(raw))
+            except (ValueError, TypeError, AttributeError, RecursionError):
                 raise UpstreamError(
                     f"decode server {d.url} answered invalid JSON", pool=d.pool, server=d.url
                 ) from None
@@ -201,4 +200,4 @@ def _decode_error(fw: Forwarder, e: BaseException, d: Backend, retry_cls) -> Exc
 
 
 def _error_event(error: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    return b"data: " + jsonio.dumps({"error": error}) + b"\n\n"

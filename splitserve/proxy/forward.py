@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -274,8 +273,8 @@ class Forwarder:
             if status != 200:
                 raise UpstreamStatus(status, raw, pool=p.pool, server=p.url)
             try:
-                answer = json.loads(raw)
-            except ValueError:
+                answer = jsonio.loads(raw)
+            except (ValueError, RecursionError):
                 raise UpstreamError(
                     f"prefill server {p.url} answered invalid JSON", pool=p.pool, server=p.url
                 ) from None

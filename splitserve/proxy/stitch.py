@@ -19,9 +19,10 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from splitserve.proxy import jsonio
 
 # Fields that mean the same when P samples the first token and D the rest. Anything else
 # (logprobs, echo, seeds, penalties that count output tokens, structured output, tools, ...)
@@ -156,7 +157,7 @@ class FirstToken:
         }
         if usage is not None:
             event["usage"] = usage
-        return b"data: " + json.dumps(event).encode() + b"\n\n"
+        return b"data: " + jsonio.dumps(event) + b"\n\n"
 
     def head_events(self, body: dict[str, Any], last: bool) -> bytes:
         """The client's first SSE events: (chat: the role chunk, then) the first token; with
@@ -204,7 +205,7 @@ class FirstToken:
                     "choices": [],
                     "usage": self.usage(),
                 }
-                out += b"data: " + json.dumps(event).encode() + b"\n\n"
+                out += b"data: " + jsonio.dumps(event) + b"\n\n"
             out += b"data: [DONE]\n\n"
         return out
 
@@ -279,8 +280,8 @@ class StreamRewriter:
         if not payload.startswith(b"{"):
             return event  # [DONE]
         try:
-            data = json.loads(payload)
-        except ValueError:
+            data = jsonio.loads(payload)
+        except (ValueError, RecursionError):
             return event
         if not isinstance(data, dict) or "error" in data:
             return event
@@ -302,4 +303,4 @@ class StreamRewriter:
             data["choices"] = kept
         if "usage" in data:
             data["usage"] = _count_first_token(data["usage"])
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
+        return b"data: " + jsonio.dumps(data) + b"\n\n"

@@ -7,9 +7,9 @@ its 4xx answer is relayed as is. Invariant: every rejection is a ``BadRequest`` 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from splitserve.proxy import jsonio
 from splitserve.proxy.errors import BadRequest
 
 
@@ -17,11 +17,13 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = jsonio.loads(raw)
     except UnicodeDecodeError:
         raise BadRequest("request body is not UTF-8 text") from None
     except ValueError as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body

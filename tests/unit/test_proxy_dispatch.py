@@ -95,8 +95,8 @@ def test_vllm_sequential_decode_passes_prefill_params_unchanged() -> None:
     }
     decode = dispatch.vllm_sequential_decode_request(BODY, {"kv_transfer_params": returned})
     assert decode == {**BODY, "kv_transfer_params": returned}
-    decode["kv_transfer_params"]["remote_block_ids"].append(3)
-    assert returned["remote_block_ids"] == [[1, 2]], "decode body must not alias P's answer"
+    # P's answer is handed over, not copied (its block ids can be thousands of integers).
+    assert decode["kv_transfer_params"] is returned
     same_id = dispatch.vllm_sequential_decode_request(BODY, {"kv_transfer_params": returned}, "t")
     assert same_id["request_id"] == "t"
 
