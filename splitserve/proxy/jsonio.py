@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import orjson
 
-# Every integer of at most 18 digits fits in 64 bits; a longer one may not.
-_LONG_DIGITS_B = re.compile(rb"\d{19}")
-_LONG_DIGITS_S = re.compile(r"\d{19}")
+# Every integer of at most 18 digits fits in 64 bits; a longer one may not. Digits map to "0",
+# everything else to ".", and the run is looked for as a substring: a C-speed scan (a regex
+# ``\d{19}`` costs as much as decoding the whole body with the standard library).
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E for b in range(256))
+_LONG_RUN = b"0" * 19
+# Above this size the scan plus orjson costs as much as the standard library's C scanner (equal
+# at about 3 KiB of prompt text, 12 KiB of chat messages; measured), so it decodes alone.
+_FAST_MAX_BYTES = 2048
 
 
 def dumps(obj: Any) -> bytes:
@@ -52,9 +56,13 @@ def _finite_float(text: str) -> float:
 def loads(raw: bytes | str) -> Any:
     """``json.loads(raw)`` for standard JSON, through orjson where that gives the same value.
     Raises ``ValueError`` for text that is not standard JSON (``UnicodeDecodeError``, a
-    subclass, for bytes that are not text) and ``RecursionError`` for absurd nesting."""
-    long_digits = _LONG_DIGITS_B if isinstance(raw, bytes | bytearray) else _LONG_DIGITS_S
-    if long_digits.search(raw) is None:
+    subclass, for bytes that are not text) and ``RecursionError`` for absurd nesting. A ``str``
+    goes to the standard library (the hot path has bytes)."""
+    if (
+        isinstance(raw, bytes | bytearray)
+        and len(raw) <= _FAST_MAX_BYTES
+        and _LONG_RUN not in raw.translate(_DIGITS_AS_ZEROS)
+    ):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
