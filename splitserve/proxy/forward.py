@@ -425,7 +425,10 @@ class Forwarder:
         idle = self._idle_s
         while True:
             try:
-                chunk = await _within(resp.readany(), min(loop.time() + idle, deadline))
+                if resp.ready and loop.time() < deadline:  # here already: no timer to arm
+                    chunk = await resp.readany()
+                else:
+                    chunk = await _within(resp.readany(), min(loop.time() + idle, deadline))
             except (TimeoutError, OSError) as e:
                 err = self._map_error(e, d, "the next chunk")
                 outcome.error_kind = f"midstream_{err.kind}"

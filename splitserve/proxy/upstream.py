@@ -181,6 +181,12 @@ class UpstreamResponse:
                 return v.decode("latin-1")
         return None
 
+    @property
+    def ready(self) -> bool:
+        """True when ``readany`` answers without waiting (bytes, the end or an error are here):
+        a caller can skip arming a timeout for it."""
+        return bool(self._chunks) or self.complete or self._error is not None
+
     async def readany(self) -> bytes:
         """The body bytes that arrived since the last read (waits for some); b"" at the end."""
         while not self._chunks:

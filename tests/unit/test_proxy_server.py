@@ -352,6 +352,21 @@ async def test_stalled_stream_hits_idle_timeout(fakes, proxies) -> None:
     await wait_for(lambda: fakes["d1"].cancelled == 1)
 
 
+async def test_total_timeout_ends_a_stream_that_keeps_flowing(fakes, proxies) -> None:
+    # D never stalls long enough for the idle timeout; the request's total bound still holds.
+    fakes["d1"].tokens = 400  # 10 ms apart: about 4 s
+    timeouts = {"total_s": 0.8, "first_byte_s": 0.5, "stream_idle_s": 0.5}
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], timeouts=timeouts))
+    proxies.append(proxy)
+    status, events = await stream_events(
+        proxy.url + "/v1/completions", {**COMPLETION, "stream": True}
+    )
+    assert status == 200
+    assert 1 < len(events) < 400
+    assert events[-1]["error"]["type"] == "timeout"
+    await wait_for(lambda: fakes["d1"].cancelled == 1)
+
+
 async def test_slow_decode_first_byte_timeout_is_504(fakes, proxies) -> None:
     fakes["d1"].mode = "hang"
     proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], timeouts={"first_byte_s": 0.3}))
