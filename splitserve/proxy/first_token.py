@@ -106,7 +106,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
             fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
             outcome.status = 200
             if not stream:
-                return web.json_response(head.alone(answer))
+                return _json_answer(head.alone(answer))
             out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             with contextlib.suppress(*_CLIENT_GONE):
                 await out.prepare(request)
@@ -133,7 +133,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
             fw.metrics.handoff.observe(max(0.0, loop.time() - p_done))
             fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
             outcome.status = 200
-            return web.json_response(merged)
+            return _json_answer(merged)
 
         # Phase 2 (streaming): the first token goes out now; the answer is committed.
         out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
@@ -197,6 +197,11 @@ def _decode_error(fw: Forwarder, e: BaseException, d: Backend, retry_cls) -> Exc
             return retry_cls(err, d, "decode_connect")
         return err
     return e
+
+
+def _json_answer(data: dict[str, Any]) -> web.Response:
+    # orjson (jsonio) rather than json_response's json.dumps: this is every request's answer.
+    return web.Response(body=jsonio.dumps(data), content_type="application/json")
 
 
 def _error_event(error: dict[str, Any]) -> bytes:
