@@ -487,6 +487,7 @@ async def test_ready_and_health(fakes, proxies) -> None:
         (json.dumps({"prompt": "a", "max_tokens": 0}).encode(), "max_tokens"),
         (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),  # was a 500 (RecursionError)
         (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
+        (b'{"prompt": "a", "temperature": NaN}', "NaN is not a JSON value"),
     ],
 )
 async def test_bad_input_is_400_with_message(fakes, proxies, raw: bytes, fragment: str) -> None:
