@@ -569,7 +569,9 @@ async def test_several_workers_share_the_port_and_aggregate_metrics(fakes) -> No
                 except aiohttp.ClientError:
                     return False
 
-            end = asyncio.get_running_loop().time() + 60
+            # Two interpreters start here; on a loaded 2-core machine that has taken most of a
+            # minute, so the bound is generous (it only matters when something is wrong).
+            end = asyncio.get_running_loop().time() + 150
             while not await up():
                 assert proc.returncode is None, "proxy exited"
                 assert asyncio.get_running_loop().time() < end, "proxy workers not up"
@@ -589,7 +591,7 @@ async def test_several_workers_share_the_port_and_aggregate_metrics(fakes) -> No
         assert line and float(line[0].rsplit(" ", 1)[1]) == 10.0, line
     finally:
         proc.terminate()
-        await asyncio.wait_for(proc.wait(), 30)
+        await asyncio.wait_for(proc.wait(), 90)
     assert psutil.pid_exists(proc.pid) is False or psutil.Process(proc.pid).status() == "zombie"
 
 
