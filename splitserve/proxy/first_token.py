@@ -43,7 +43,7 @@ _CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.StreamResponse:
     """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing."""
-    from splitserve.proxy.forward import _Retry, _within
+    from splitserve.proxy.forward import _Retry, _wait_any, _within
 
     request, route, path, body = call.request, call.route, call.path, call.body
     stream, deadline, outcome, t_start = call.stream, call.deadline, call.outcome, call.t_start
@@ -67,18 +67,16 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
     try:
         # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
         until = min(deadline, t0 + fw._first_byte_s)
-        pending = {p_task, open_task}
         while not p_task.done():
-            done, pending = await asyncio.wait(
-                pending, timeout=max(0.001, until - loop.time()), return_when="FIRST_COMPLETED"
-            )
-            if not done:
+            # Both while D is connecting (it only fails early if it cannot), then P alone.
+            watched = (p_task,) if open_task.done() else (p_task, open_task)
+            if not await _wait_any(until, *watched):
                 raise UpstreamTimeout(
                     f"prefill server {p.url}: timed out waiting for the prefill answer",
                     pool=p.pool,
                     server=p.url,
                 )
-            if open_task in done and open_task.exception() is not None:
+            if open_task.done() and not open_task.cancelled() and open_task.exception():
                 raise _decode_error(fw, open_task.exception(), d, _Retry)
         exc = p_task.exception()
         if exc is not None:
