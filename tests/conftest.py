@@ -9,6 +9,7 @@ session ends (also when it fails).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from splitserve.launch.group import Server, ServerGroup
+from splitserve.launch.process import ProcessStartError
 from splitserve.models import build_model, resolve_spec
 
 # Bound on one server's start-up. Two servers side by side on 2 cores take about 2 minutes.
@@ -27,6 +29,12 @@ SERVER_START_TIMEOUT = float(os.environ.get("SPLITSERVE_TEST_SERVER_TIMEOUT", "4
 # later test asks for them again). Each CPU vLLM server holds about 2.5 GiB (1 GiB of KV cache),
 # so a whole session's servers would not fit in 24 GiB together.
 MAX_RUNNING_SERVERS = int(os.environ.get("SPLITSERVE_TEST_MAX_SERVERS", "4"))
+# Starts per server before a test errors: a server that dies or hangs at start-up (a port taken
+# between choosing and binding it, a transient failure under load) is started once more, on a
+# fresh HTTP port, before its tests are reported as errors.
+SERVER_START_ATTEMPTS = 2
+
+logger = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +48,7 @@ class ServerPool:
 
     def __init__(self, group: ServerGroup) -> None:
         self.group = group
+        self._specs: dict[str, dict[str, Any]] = {}  # how each key was started, for a retry
 
     def vllm(
         self,
@@ -62,22 +71,37 @@ class ServerPool:
         if server is not None:
             self.group.touch(key)
         else:
-            server = self.group.add_vllm(
-                key,
-                str(model),
-                served_model_name=served_model_name,
-                kv_transfer_config=kv_transfer_config,
-                extra_args=extra_args,
-                cpu_core=cpu_core,
-                env=env,
-                nice=nice,
-            )
+            self._specs[key] = {
+                "model": str(model),
+                "served_model_name": served_model_name,
+                "kv_transfer_config": kv_transfer_config,
+                "extra_args": extra_args,
+                "cpu_core": cpu_core,
+                "env": env,
+                "nice": nice,
+            }
+            server = self.group.add_vllm(key, **self._specs[key])
         if wait:
-            self.group.wait(SERVER_START_TIMEOUT, names=[key], stop_group_on_failure=False)
+            self.wait_all(key)
+            server = self.group.servers[key]
         return server
 
     def wait_all(self, *keys: str) -> None:
-        self.group.wait(SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False)
+        """Wait for the servers (all when none is named); one that fails to start is started
+        again (``SERVER_START_ATTEMPTS``), each wait bounded by ``SERVER_START_TIMEOUT``."""
+        failures: dict[str, int] = {}
+        while True:
+            try:
+                self.group.wait(
+                    SERVER_START_TIMEOUT, names=list(keys) or None, stop_group_on_failure=False
+                )
+                return
+            except ProcessStartError as e:
+                failures[e.name] = failures.get(e.name, 0) + 1
+                if failures[e.name] >= SERVER_START_ATTEMPTS or e.name not in self._specs:
+                    raise
+                logger.warning("server %s failed to start (%s); starting it again", e.name, e)
+                self.group.add_vllm(e.name, **self._specs[e.name])
 
 
 # Integration modules run in this order (unit tests first; modules not listed run last, in
