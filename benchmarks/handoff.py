@@ -67,6 +67,9 @@ from splitserve.proxy.config import build_config
 from splitserve.proxy.server import BackgroundProxy
 
 START_TIMEOUT = 900.0
+# Connector stats ride on engine outputs; a pause before reading a counter lets the last
+# step's reach /metrics.
+STATS_SETTLE_S = 0.5
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -114,6 +117,14 @@ def histogram(url: str, name: str) -> tuple[float, float]:
         pattern = rf"^{re.escape(name + suffix)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
         values[suffix] = sum(float(m) for m in re.findall(pattern, text, flags=re.M))
     return values["_sum"], values["_count"]
+
+
+def counter(url: str, name: str) -> float:
+    """A counter's value on ``url``'s ``/metrics``, summed over its label sets."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
+    return sum(float(m) for m in re.findall(pattern, text, flags=re.M))
 
 
 # ----------------------------------------------------------------------------- servers
@@ -226,12 +237,18 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
     # D's "prefill time" (scheduled, i.e. KV loaded, to its first token): the one step D runs
     # before its first token (first-token flow: the step that samples token 2).
     d_step = "vllm:request_prefill_time_seconds"
+    # P's time inside WRITE posts (over cma: the copy itself, on P's core).
+    post = "vllm:splitserve_post_seconds_total"
     before, d_before = histogram(pair["d"], name), histogram(pair["d"], d_step)
     p_before = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
+    post_before = counter(pair["p"], post)
     start = time.perf_counter()
     first, second = token_times(proxy_url, body)
     after, d_after = histogram(pair["d"], name), histogram(pair["d"], d_step)
     p_after = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
+    # The stats reach /metrics with vLLM's next log interval: give them a moment.
+    time.sleep(STATS_SETTLE_S)
+    p_post = counter(pair["p"], post) - post_before
     exposed = (after[0] - before[0]) / max(after[1] - before[1], 1)
     prefill = p_after[0] - p_before[0]
     return {
@@ -240,6 +257,7 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
         "after_p_s": first - start - prefill,
         "exposed_s": exposed,
         "d_step_s": d_after[0] - d_before[0],
+        "p_post_s": p_post,
     }
 
 

@@ -74,6 +74,10 @@ class SenderStats:
     lease_expiries: int = 0
     registrations_received: int = 0
     registrations_rejected: int = 0
+    # Seconds this side spent inside WRITE posts, on the thread that posts (the forward's, or
+    # the GPU poster's). Over UCX's cma the copy itself runs inside the post, so this is what
+    # the transfer costs the prefill side's CPU; over tcp the bytes move later, in progress.
+    post_seconds: float = 0.0
 
 
 @dataclass
@@ -323,6 +327,7 @@ class KVSender:
         src = out.block_ids[lo:hi]
         dst = out.dst_blocks[lo - out.first : hi - out.first]
         all_layers = [layer for layer in layers for _ in src]
+        t0 = time.perf_counter()  # a cost, not a deadline: the real clock, not self.clock
         try:
             handle = self.agent.post(
                 "WRITE", out.peer_agent, all_layers, src * len(layers), dst * len(layers)
@@ -330,6 +335,8 @@ class KVSender:
         except (TransferPostError, ValueError) as exc:
             self._fail(out, f"WRITE not posted: {exc}")
             return
+        finally:
+            self.stats.post_seconds += time.perf_counter() - t0
         out.handles.append(handle)
         self.stats.writes_posted += 1
         self.stats.bytes_sent += handle.num_bytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -180,6 +181,23 @@ def test_every_needed_block_written_exactly_once(registration, num_tokens):
         assert isinstance(done, messages.Done) and done.num_blocks == needed
     else:
         assert not carriers
+
+
+def test_time_inside_write_posts_is_counted():
+    # Over cma the copy runs inside the post: the counter is the transfer's CPU cost on P.
+    sender, agent, channel = make_sender()
+    post = agent.post
+
+    def slow_post(*args, **kwargs):
+        time.sleep(0.01)
+        return post(*args, **kwargs)
+
+    agent.post = slow_post
+    sender.add_request("t", 2 * B)
+    register(channel, "t", [5, 6])
+    run_prefill(sender, "t", [1, 2], [2 * B])
+    assert sender.stats.writes_posted >= LAYERS
+    assert sender.stats.post_seconds >= 0.01 * sender.stats.writes_posted
 
 
 def test_blocks_go_out_only_when_complete_and_per_layer():

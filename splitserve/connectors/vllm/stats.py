@@ -36,6 +36,8 @@ COUNTERS: dict[str, str] = {
     "loads_completed": "Decode-side loads completed",
     "loads_failed": "Decode-side loads failed (ABORT, timeout, prefill side lost)",
     "done_timeouts": "Decode-side loads that saw no DONE within done_timeout_s",
+    "post_seconds": "Seconds the prefill side spent posting KV WRITEs (over UCX cma the copy "
+    "itself runs in the post: the transfer's CPU cost on the prefill server)",
 }
 HANDOFF = "exposed_handoff_s"
 
@@ -58,6 +60,7 @@ class SplitserveKVConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {name: self.data.get(name, 0) for name in COUNTERS}
+        out["post_seconds"] = round(float(out["post_seconds"]), 4)
         handoffs = self.data.get(HANDOFF, [])
         if handoffs:
             out["avg exposed handoff (ms)"] = round(1e3 * sum(handoffs) / len(handoffs), 3)

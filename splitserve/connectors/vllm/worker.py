@@ -296,6 +296,7 @@ class SplitserveWorker:
             "loads_completed": r.transfers_completed,
             "loads_failed": r.transfers_failed,
             "done_timeouts": r.done_timeouts,
+            "post_seconds": s.post_seconds,
         }
         data: dict[str, Any] = {}
         for name in COUNTERS:
