@@ -67,8 +67,8 @@ from splitserve.proxy.config import build_config
 from splitserve.proxy.server import BackgroundProxy
 
 START_TIMEOUT = 900.0
-# Connector stats ride on engine outputs; a pause before reading a counter lets the last
-# step's reach /metrics.
+# Connector stats ride on the engines' step outputs to the API server: a pause after a request
+# before reading them lets the last step's arrive.
 STATS_SETTLE_S = 0.5
 
 
@@ -109,22 +109,25 @@ def token_times(url: str, body: dict, timeout: float = 600.0) -> tuple[float, fl
     return times[0], times[-1]
 
 
-def histogram(url: str, name: str) -> tuple[float, float]:
+def metrics_text(url: str) -> str:
+    """``url``'s ``/metrics`` page (read once per server per moment, then parsed)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    values = {}
-    for suffix in ("_sum", "_count"):
-        pattern = rf"^{re.escape(name + suffix)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
-        values[suffix] = sum(float(m) for m in re.findall(pattern, text, flags=re.M))
-    return values["_sum"], values["_count"]
+        return response.read().decode()
 
 
-def counter(url: str, name: str) -> float:
-    """A counter's value on ``url``'s ``/metrics``, summed over its label sets."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
+def sample_sum(text: str, name: str) -> float:
+    """Sample ``name`` of a metrics page, summed over its label sets (0 when absent)."""
     pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
     return sum(float(m) for m in re.findall(pattern, text, flags=re.M))
+
+
+def histogram_in(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of histogram ``name`` on a metrics page."""
+    return sample_sum(text, name + "_sum"), sample_sum(text, name + "_count")
+
+
+def histogram(url: str, name: str) -> tuple[float, float]:
+    return histogram_in(metrics_text(url), name)
 
 
 # ----------------------------------------------------------------------------- servers
@@ -239,16 +242,16 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
     d_step = "vllm:request_prefill_time_seconds"
     # P's time inside WRITE posts (over cma: the copy itself, on P's core).
     post = "vllm:splitserve_post_seconds_total"
-    before, d_before = histogram(pair["d"], name), histogram(pair["d"], d_step)
+    d_text, post_before = metrics_text(pair["d"]), sample_sum(metrics_text(pair["p"]), post)
+    before, d_before = histogram_in(d_text, name), histogram_in(d_text, d_step)
     p_before = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
-    post_before = counter(pair["p"], post)
     start = time.perf_counter()
     first, second = token_times(proxy_url, body)
-    after, d_after = histogram(pair["d"], name), histogram(pair["d"], d_step)
     p_after = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
-    # The stats reach /metrics with vLLM's next log interval: give them a moment.
     time.sleep(STATS_SETTLE_S)
-    p_post = counter(pair["p"], post) - post_before
+    d_text = metrics_text(pair["d"])
+    after, d_after = histogram_in(d_text, name), histogram_in(d_text, d_step)
+    p_post = sample_sum(metrics_text(pair["p"]), post) - post_before
     exposed = (after[0] - before[0]) / max(after[1] - before[1], 1)
     prefill = p_after[0] - p_before[0]
     return {

@@ -7,7 +7,6 @@ key) and 502/503/504 for upstream trouble; ``kind`` is the label the error metri
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from splitserve.proxy import jsonio
@@ -38,7 +37,7 @@ class ProxyError(Exception):
     def sse_event(self) -> bytes:
         """The error as the SSE event that ends a stream already under way (the status line is
         sent, so only the body can tell; OpenAI SDKs raise ``APIError`` on it)."""
-        return b"data: " + json.dumps({"error": self.body()["error"]}).encode() + b"\n\n"
+        return b"data: " + jsonio.dumps({"error": self.body()["error"]}) + b"\n\n"
 
 
 # The errors a client can cause, and "no server to send it to": one line each (status, OpenAI
