@@ -139,8 +139,17 @@ def run_stub(port: int) -> None:
         uvloop.install()
     except ImportError:
         pass
+    # A listen backlog above aiohttp's 128: a proxy opening a connection per client at 256
+    # clients overflowed it (ListenOverflows in nstat), and each dropped SYN cost its request a
+    # 1 s retransmit, which then read as the proxy's latency.
     web.run_app(
-        stub_app(), host="127.0.0.1", port=port, access_log=None, print=None, shutdown_timeout=1
+        stub_app(),
+        host="127.0.0.1",
+        port=port,
+        access_log=None,
+        print=None,
+        shutdown_timeout=1,
+        backlog=4096,
     )
 
 
@@ -193,7 +202,15 @@ def run_bare(port: int, prefill: str, decode: str) -> None:
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/ready", health)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, shutdown_timeout=1)
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=port,
+        access_log=None,
+        print=None,
+        shutdown_timeout=1,
+        backlog=1024,
+    )
 
 
 # ---------------------------------------------------------------------- load generator

@@ -25,11 +25,9 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-from aiohttp import web
-
 from splitserve.proxy import dispatch, jsonio, stitch
 from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, UpstreamTimeout
+from splitserve.proxy.http_server import Response, StreamResponse
 from splitserve.proxy.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
@@ -38,10 +36,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 
-async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.StreamResponse:
+async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamResponse:
     """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing."""
     from splitserve.proxy.forward import _Retry, _wait_any, _within
 
@@ -57,12 +54,12 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
         side.side_channel_port,
         first_token_from_prefill=True,
     )
-    p_task = asyncio.ensure_future(fw._prefill(p, path, p_body, deadline))
+    p_task = loop.create_task(fw._prefill(p, path, p_body, deadline))
     t0 = loop.time()
     d.outstanding += 1
     gauge = fw.metrics.of(fw.metrics.in_flight, *d.labels)
     gauge.inc()
-    open_task = asyncio.ensure_future(fw._open_decode(d, path, d_body, stream, deadline))
+    open_task = loop.create_task(fw._open_decode(d, path, d_body, stream, deadline))
     resp: UpstreamResponse | None = None
     try:
         # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
@@ -105,8 +102,8 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
             outcome.status = 200
             if not stream:
                 return _json_answer(head.alone(answer))
-            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-            with contextlib.suppress(*_CLIENT_GONE):
+            out = StreamResponse(status=200, headers=_SSE_HEADERS)
+            with contextlib.suppress(ConnectionError):
                 await out.prepare(request)
                 await out.write(head.head_events(body, last=True))
                 await out.write_eof()
@@ -134,7 +131,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
             return _json_answer(merged)
 
         # Phase 2 (streaming): the first token goes out now; the answer is committed.
-        out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        out = StreamResponse(status=200, headers=_SSE_HEADERS)
         try:
             await out.prepare(request)
             await out.write(head.head_events(body, last=False))
@@ -164,7 +161,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> web.Stre
                 resp = None
             fw.metrics.of(fw.metrics.upstream, *d.labels).observe(loop.time() - t0)
             await out.write_eof()
-        except _CLIENT_GONE:
+        except ConnectionError:  # a write to a client that went away
             outcome.status, outcome.error_kind = 499, "client_disconnected"
             logger.info("client went away mid-stream; closing %s", d.url)
         return out
@@ -197,9 +194,9 @@ def _decode_error(fw: Forwarder, e: BaseException, d: Backend, retry_cls) -> Exc
     return e
 
 
-def _json_answer(data: dict[str, Any]) -> web.Response:
+def _json_answer(data: dict[str, Any]) -> Response:
     # orjson (jsonio) rather than json_response's json.dumps: this is every request's answer.
-    return web.Response(body=jsonio.dumps(data), content_type="application/json")
+    return Response(jsonio.dumps(data))
 
 
 def _error_event(error: dict[str, Any]) -> bytes:

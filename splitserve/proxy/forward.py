@@ -35,9 +35,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-
 from splitserve.proxy import dispatch, first_token, jsonio
 from splitserve.proxy.config import ProxyConfig
 from splitserve.proxy.errors import (
@@ -47,6 +44,7 @@ from splitserve.proxy.errors import (
     UpstreamTimeout,
 )
 from splitserve.proxy.health import HealthTracker
+from splitserve.proxy.http_server import Request, Response, StreamResponse
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool, prompt_head
 from splitserve.proxy.stitch import first_token_eligible, max_new_tokens
@@ -57,8 +55,6 @@ logger = logging.getLogger(__name__)
 # After D has answered, how long P's own (one-token) answer may still take to arrive.
 _PREFILL_GRACE_S = 10.0
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-# What a client write raises when the client has gone away.
-_CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 
 class _Retry(Exception):
@@ -83,7 +79,7 @@ class Outcome:
 class Call:
     """One client request as it goes through its attempts (the same for every pair tried)."""
 
-    request: web.Request
+    request: Request
     route: str  # "completions" or "chat"
     path: str  # the upstream path, e.g. /v1/completions
     body: dict[str, Any]
@@ -120,8 +116,8 @@ class Forwarder:
     # ------------------------------------------------------------------ entry point
 
     async def handle(
-        self, request: web.Request, route: str, path: str, body: dict[str, Any], outcome: Outcome
-    ) -> web.StreamResponse:
+        self, request: Request, route: str, path: str, body: dict[str, Any], outcome: Outcome
+    ) -> StreamResponse:
         """Serve one request; raises ``ProxyError`` for anything answered before streaming."""
         t_start = asyncio.get_running_loop().time()
         call = Call(
@@ -161,7 +157,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ one attempt
 
-    async def _attempt(self, call: Call, p: Backend, d: Backend) -> web.StreamResponse:
+    async def _attempt(self, call: Call, p: Backend, d: Backend) -> StreamResponse:
         path, body, deadline = call.path, call.body, call.deadline
         if self._mode == "vllm-sequential":
             tid = dispatch.new_transfer_id()
@@ -196,7 +192,8 @@ class Forwarder:
             p_body, d_body = dispatch.sglang_requests(
                 body, ep.bootstrap_at, ep.bootstrap_port, dispatch.new_bootstrap_room()
             )
-        p_task = asyncio.ensure_future(self._prefill(p, path, p_body, deadline))
+        loop = asyncio.get_running_loop()
+        p_task = loop.create_task(self._prefill(p, path, p_body, deadline))
         served = False
         try:
             response = await self._decode(call, d_body, d, (p, p_task), None)
@@ -207,9 +204,7 @@ class Forwarder:
                 if served and not p_task.done():
                     # D answered, so P's prefill is over and its answer is on its way: let it
                     # arrive (cancelling would make P count an aborted transfer), within a bound.
-                    loop = asyncio.get_running_loop()
-                    grace = max(0.0, min(_PREFILL_GRACE_S, deadline - loop.time()))
-                    await asyncio.wait({p_task}, timeout=grace)
+                    await _wait_any(min(loop.time() + _PREFILL_GRACE_S, deadline), p_task)
             finally:
                 if not p_task.done():
                     p_task.cancel()  # D failed, or the client left: P aborts and frees its KV
@@ -247,11 +242,6 @@ class Forwarder:
             )
         return UpstreamError(f"{where}: {type(e).__name__} {e}".rstrip(), pool=b.pool, server=b.url)
 
-    async def _bounded(self, aw: Awaitable[Any], seconds: float, deadline: float) -> Any:
-        """``aw`` within ``seconds`` and the request's deadline (no extra task on 3.11+)."""
-        loop = asyncio.get_running_loop()
-        return await _within(aw, min(loop.time() + seconds, deadline))
-
     async def _prefill(
         self, p: Backend, path: str, payload: dict[str, Any], deadline: float
     ) -> dict[str, Any]:
@@ -263,9 +253,8 @@ class Forwarder:
         gauge.inc()
         try:
             try:
-                status, raw = await self._bounded(
-                    self._post_read(p, path, payload, deadline), self._first_byte_s, deadline
-                )
+                until = min(t0 + self._first_byte_s, deadline)
+                status, raw = await self._post_read(p, path, payload, until)
             except ProxyError:
                 raise
             except (TimeoutError, OSError) as e:
@@ -293,20 +282,21 @@ class Forwarder:
             gauge.dec()
 
     async def _post_read(
-        self, b: Backend, path: str, payload: dict[str, Any], deadline: float
+        self, b: Backend, path: str, payload: dict[str, Any], until: float
     ) -> tuple[int, bytes]:
-        # The client bounds the connect, the caller the rest.
-        resp = await self.client.post(b.url, path, jsonio.dumps(payload))
+        """Status and whole body; ``TimeoutError`` unless both came by loop time ``until``."""
+        resp = await self.client.post(b.url, path, jsonio.dumps(payload), until)
         try:
             return resp.status, await resp.read()
         finally:
             resp.release()  # read to the end: back to the pool; cancelled: closed
 
     async def _open_decode(
-        self, d: Backend, path: str, payload: dict[str, Any], stream: bool, deadline: float
+        self, d: Backend, path: str, payload: dict[str, Any], stream: bool, until: float
     ) -> tuple[UpstreamResponse, bytes]:
-        """D's response with its first chunk (streaming) or its whole body (not)."""
-        resp = await self.client.post(d.url, path, jsonio.dumps(payload))
+        """D's response with its first chunk (streaming) or its whole body (not), by loop time
+        ``until`` (else ``TimeoutError``)."""
+        resp = await self.client.post(d.url, path, jsonio.dumps(payload), until)
         try:
             if resp.status != 200 or not stream:
                 return resp, await resp.read()
@@ -324,7 +314,7 @@ class Forwarder:
         d: Backend,
         prefill: tuple[Backend, asyncio.Future[dict[str, Any]]] | None,
         p_done: float | None,
-    ) -> web.StreamResponse:
+    ) -> StreamResponse:
         route, stream, deadline, outcome = call.route, call.stream, call.deadline, call.outcome
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -332,15 +322,15 @@ class Forwarder:
         gauge = self.metrics.of(self.metrics.in_flight, *d.labels)
         gauge.inc()
         resp: UpstreamResponse | None = None
-        opening = self._open_decode(d, call.path, d_body, stream, deadline)
+        # Phase 1: until D's first byte, nothing is committed and P is watched.
+        wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
+        until = min(deadline, t0 + wait_s)
+        opening = self._open_decode(d, call.path, d_body, stream, until)
         open_task: asyncio.Future[tuple[UpstreamResponse, bytes]] | None = None
         try:
-            # Phase 1: until D's first byte, nothing is committed and P is watched.
-            wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
-            until = min(deadline, t0 + wait_s)
             if prefill is not None:
                 p, p_task = prefill
-                open_task = asyncio.ensure_future(opening)
+                open_task = loop.create_task(opening)
                 await _wait_any(until, open_task, p_task)
                 if p_task.done() and not open_task.done():
                     exc = p_task.exception()
@@ -353,7 +343,7 @@ class Forwarder:
                 if open_task is not None and open_task.done():
                     resp, first = open_task.result()  # raises what awaiting it would
                 else:
-                    resp, first = await _within(open_task or opening, until)
+                    resp, first = await (open_task or opening)  # bounded by ``until``
             except ProxyError:
                 raise
             except (TimeoutError, OSError) as e:
@@ -376,8 +366,8 @@ class Forwarder:
                 self.metrics.of(self.metrics.upstream, *d.labels).observe(t_first - t0)
                 self.metrics.of(self.metrics.ttft, route).observe(t_first - call.t_start)
                 outcome.status = 200
-                return web.Response(body=first, status=200, content_type="application/json")
-            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                return Response(first)
+            out = StreamResponse(status=200, headers=_SSE_HEADERS)
             try:
                 await out.prepare(call.request)
                 await out.write(first)
@@ -388,7 +378,7 @@ class Forwarder:
                     resp = None
                 self.metrics.of(self.metrics.upstream, *d.labels).observe(loop.time() - t0)
                 await out.write_eof()
-            except _CLIENT_GONE:
+            except ConnectionError:  # a write to a client that went away
                 outcome.status, outcome.error_kind = 499, "client_disconnected"
                 logger.info("client went away mid-stream; closing %s", d.url)
             return out
@@ -407,7 +397,7 @@ class Forwarder:
     async def _relay(
         self,
         resp: UpstreamResponse,
-        out: web.StreamResponse,
+        out: StreamResponse,
         d: Backend,
         outcome: Outcome,
         deadline: float,
@@ -424,10 +414,11 @@ class Forwarder:
         idle = self._idle_s
         while True:
             try:
-                if resp.ready and loop.time() < deadline:  # here already: no timer to arm
-                    chunk = await resp.readany()
-                else:
-                    chunk = await _within(resp.readany(), min(loop.time() + idle, deadline))
+                now = loop.time()
+                if now >= deadline:
+                    raise TimeoutError
+                resp.until = min(now + idle, deadline)  # a timer only if the read must wait
+                chunk = await resp.readany()
             except (TimeoutError, OSError) as e:
                 err = self._map_error(e, d, "the next chunk")
                 outcome.error_kind = f"midstream_{err.kind}"

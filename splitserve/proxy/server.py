@@ -1,9 +1,9 @@
-"""The proxy's HTTP server: routes, auth, error mapping, lifecycle (aiohttp).
+"""The proxy's endpoint: routes, auth, error mapping, lifecycle.
 
-Runs in the proxy process: one event loop holds the aiohttp web app, the upstream client
-(``upstream.py``: keep-alive connections for completions) and an aiohttp client session (health
-checks, ``/v1/models``), both to the configured servers and to nothing else, the health-check
-task and the metrics registry.
+Runs in the proxy process: one event loop holds the HTTP server (``http_server.py``), the
+upstream client (``upstream.py``: keep-alive connections for completions) and an aiohttp client
+session (health checks, ``/v1/models``), both to the configured servers and to nothing else, the
+health-check task and the metrics registry.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not), ``GET
 /v1/models`` (a healthy decode server's answer), ``/health`` (the proxy is alive), ``/ready``
@@ -11,8 +11,8 @@ Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not),
 
 Invariants: every answer the proxy makes itself is an OpenAI-style error body (never an HTML
 page); a client mistake is a 4xx, upstream trouble a 502/503/504; a 500 only ever means a bug
-here, and is logged with its traceback. Requests are served with handler cancellation on, so a
-client that disconnects cancels its handler and with it both upstream requests.
+here, and is logged with its traceback. A client that disconnects cancels its handler (the
+server does), and with it both upstream requests.
 """
 
 from __future__ import annotations
@@ -20,37 +20,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from splitserve.proxy import validation
+from splitserve.proxy import jsonio, validation
 from splitserve.proxy.config import ProxyConfig
-from splitserve.proxy.errors import (
-    NoHealthyServer,
-    PayloadTooLarge,
-    ProxyError,
-    Unauthorized,
-    error_body,
-)
+from splitserve.proxy.errors import NoHealthyServer, ProxyError, Unauthorized, error_body
 from splitserve.proxy.forward import Forwarder, Outcome
 from splitserve.proxy.health import HealthChecker, HealthTracker
+from splitserve.proxy.http_server import Handler, HTTPServer, Request, Response, StreamResponse
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool
 from splitserve.proxy.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
-_STATE = web.AppKey("splitserve_proxy", "ProxyState")
 
-
-def _json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(data), status=status, content_type="application/json")
+def _json_response(data: Any, status: int = 200) -> Response:
+    return Response(jsonio.dumps(data), status)
 
 
 class ProxyState:
@@ -121,72 +112,63 @@ class ProxyState:
         if self.upstream is not None:
             self.upstream.close()
 
-    def authorized(self, request: web.Request) -> bool:
+    def authorized(self, request: Request) -> bool:
         if self._api_key is None:
             return True
-        header = request.headers.get("Authorization", "")
+        header = request.header("Authorization") or ""
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode(), self._api_key
         )
 
 
-# ---------------------------------------------------------------------- middleware
+# ---------------------------------------------------------------------- error mapping
 
 
-@web.middleware
-async def _errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Map every failure to an OpenAI-style JSON error with the right status."""
-    state = request.app[_STATE]
-    try:
-        if request.path.startswith("/v1/") and not state.authorized(request):
-            raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
-        return await handler(request)
-    except ProxyError as e:
-        state.metrics.errors.labels(e.kind).inc()
-        return _json_response(e.body(), e.status)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = "too_large" if e.status == 413 else "http"
-        state.metrics.errors.labels(kind).inc()
-        message = e.text if e.text and not e.text.startswith("<") else e.reason
-        err_type = "invalid_request_error" if e.status < 500 else "internal_error"
-        return _json_response(error_body(message, err_type, e.status), e.status)
-    except Exception:
-        logger.exception("bug in the proxy while serving %s %s", request.method, request.path)
-        state.metrics.errors.labels("internal").inc()
-        return _json_response(error_body("internal proxy error", "internal_error", 500), 500)
+def _guarded(state: ProxyState, handler: Handler, needs_key: bool) -> Handler:
+    """``handler`` with every failure mapped to an OpenAI-style JSON error and its status."""
+
+    async def guarded(request: Request) -> Response | StreamResponse:
+        try:
+            if needs_key and not state.authorized(request):
+                raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+            return await handler(request)
+        except ProxyError as e:
+            state.metrics.errors.labels(e.kind).inc()
+            return _json_response(e.body(), e.status)
+        except Exception:
+            logger.exception("bug in the proxy while serving %s %s", request.method, request.path)
+            state.metrics.errors.labels("internal").inc()
+            return _json_response(error_body("internal proxy error", "internal_error", 500), 500)
+
+    return guarded
+
+
+def _server_error(state: ProxyState) -> Callable[[int, str], Response]:
+    """How the HTTP server answers what it refuses itself (bad HTTP, too large, no route)."""
+
+    def answer(status: int, message: str) -> Response:
+        state.metrics.errors.labels("too_large" if status == 413 else "http").inc()
+        err_type = "invalid_request_error" if status < 500 else "internal_error"
+        return _json_response(error_body(message, err_type, status), status)
+
+    return answer
 
 
 # ---------------------------------------------------------------------- handlers
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(
-            f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes"
-        )
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes") from None
-
-
 def _generation_handler(
-    route: str, path: str, check: Callable[[dict[str, Any]], None]
-) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        state = request.app[_STATE]
-        metrics = state.metrics
+    state: ProxyState, route: str, path: str, check: Callable[[dict[str, Any]], None]
+) -> Handler:
+    metrics = state.metrics
+
+    async def handler(request: Request) -> Response | StreamResponse:
         outcome = Outcome(status=500)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            raw = await _read_body(request, state.config.max_body_bytes)
-            body = validation.parse_json_object(raw)
+            body = validation.parse_json_object(request.body)
             check(body)
             assert state.forwarder is not None
             return await state.forwarder.handle(request, route, path, body, outcome)
@@ -205,38 +187,39 @@ def _generation_handler(
     return handler
 
 
-async def _models(request: web.Request) -> web.Response:
-    state = request.app[_STATE]
-    assert state.session is not None
-    headers = {}
-    if state.config.upstream_api_key is not None:
-        headers["Authorization"] = f"Bearer {state.config.upstream_api_key.get_secret_value()}"
-    candidates = state.decode.healthy() + state.prefill.healthy()
-    if not candidates:
-        raise NoHealthyServer("no healthy server to list models from")
-    timeout = aiohttp.ClientTimeout(total=state.config.health.timeout_s + 5)
-    last = "no server answered"
-    for b in candidates:
-        try:
-            async with state.session.get(
-                b.url + "/v1/models", headers=headers, timeout=timeout
-            ) as r:
-                raw = await r.read()
-                if r.status == 200:
-                    return web.Response(body=raw, status=200, content_type="application/json")
-                last = f"{b.url} answered {r.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            last = f"{b.url}: {type(e).__name__} {e}"
-    raise NoHealthyServer(f"cannot list models: {last}")
+def _models_handler(state: ProxyState) -> Handler:
+    async def models(request: Request) -> Response:
+        assert state.session is not None
+        headers = {}
+        if state.config.upstream_api_key is not None:
+            key = state.config.upstream_api_key.get_secret_value()
+            headers["Authorization"] = f"Bearer {key}"
+        candidates = state.decode.healthy() + state.prefill.healthy()
+        if not candidates:
+            raise NoHealthyServer("no healthy server to list models from")
+        timeout = aiohttp.ClientTimeout(total=state.config.health.timeout_s + 5)
+        last = "no server answered"
+        for b in candidates:
+            try:
+                async with state.session.get(
+                    b.url + "/v1/models", headers=headers, timeout=timeout
+                ) as r:
+                    raw = await r.read()
+                    if r.status == 200:
+                        return Response(raw)
+                    last = f"{b.url} answered {r.status}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                last = f"{b.url}: {type(e).__name__} {e}"
+        raise NoHealthyServer(f"cannot list models: {last}")
+
+    return models
 
 
-async def _health(request: web.Request) -> web.Response:
+async def _health(request: Request) -> Response:
     return _json_response({"status": "ok"})
 
 
-async def _ready(request: web.Request) -> web.Response:
-    state = request.app[_STATE]
-
+def _ready_handler(state: ProxyState) -> Handler:
     def pool(p: Pool) -> dict[str, Any]:
         return {
             "healthy": len(p.healthy()),
@@ -251,50 +234,75 @@ async def _ready(request: web.Request) -> web.Response:
             ],
         }
 
-    ready = bool(state.prefill.healthy()) and bool(state.decode.healthy())
-    data = {"ready": ready, "prefill": pool(state.prefill), "decode": pool(state.decode)}
-    return _json_response(data, 200 if ready else 503)
+    async def ready(request: Request) -> Response:
+        is_ready = bool(state.prefill.healthy()) and bool(state.decode.healthy())
+        data = {"ready": is_ready, "prefill": pool(state.prefill), "decode": pool(state.decode)}
+        return _json_response(data, 200 if is_ready else 503)
+
+    return ready
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    state = request.app[_STATE]
-    return web.Response(
-        body=state.metrics.render(), headers={"Content-Type": state.metrics.content_type}
-    )
+def _metrics_handler(state: ProxyState) -> Handler:
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), content_type=state.metrics.content_type)
+
+    return metrics
 
 
-# ---------------------------------------------------------------------- app and runners
+# ---------------------------------------------------------------------- the running proxy
 
 
-def build_app(config: ProxyConfig) -> web.Application:
-    """The aiohttp application of one proxy (start-up runs the first health checks)."""
-    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
-    state = ProxyState(config)
-    app[_STATE] = state
+class ProxyServer:
+    """One proxy: its state and its HTTP server. ``await start()`` runs the first health checks
+    and listens (port 0 picks a free port: ``port`` tells which); ``await close()`` undoes it."""
 
-    async def lifecycle(_: web.Application):  # type: ignore[no-untyped-def]
-        await state.start()
-        yield
-        await state.close()
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.state = state = ProxyState(config)
+        routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/completions"): _generation_handler(
+                state, "completions", "/v1/completions", validation.check_completion
+            ),
+            ("POST", "/v1/chat/completions"): _generation_handler(
+                state, "chat", "/v1/chat/completions", validation.check_chat
+            ),
+            ("GET", "/v1/models"): _models_handler(state),
+            ("GET", "/health"): _health,
+            ("GET", "/ready"): _ready_handler(state),
+            ("GET", "/metrics"): _metrics_handler(state),
+        }
+        self.http = HTTPServer(
+            {
+                key: _guarded(state, handler, key[1].startswith("/v1/"))
+                for key, handler in routes.items()
+            },
+            _server_error(state),
+            max_body_bytes=config.max_body_bytes,
+            shutdown_timeout_s=5.0,
+        )
+        self.port: int | None = None
 
-    app.cleanup_ctx.append(lifecycle)
-    app.router.add_post(
-        "/v1/completions",
-        _generation_handler("completions", "/v1/completions", validation.check_completion),
-    )
-    app.router.add_post(
-        "/v1/chat/completions",
-        _generation_handler("chat", "/v1/chat/completions", validation.check_chat),
-    )
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", _ready)
-    app.router.add_get("/metrics", _metrics)
-    return app
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
 
+    async def start(self, reuse_port: bool = False) -> ProxyServer:
+        await self.state.start()
+        try:
+            self.port = await self.http.start(
+                self.config.host, self.config.port, backlog=1024, reuse_port=reuse_port
+            )
+        except BaseException:
+            await self.state.close()
+            raise
+        logger.info("splitserve proxy listening on %s", self.url)
+        return self
 
-def proxy_state(app: web.Application) -> ProxyState:
-    return app[_STATE]
+    async def close(self) -> None:
+        try:
+            await self.http.close()
+        finally:
+            await self.state.close()
 
 
 async def serve(
@@ -302,22 +310,14 @@ async def serve(
 ) -> None:
     """Run a proxy until cancelled. ``started`` gets the bound port (useful with port 0);
     ``reuse_port`` lets several worker processes listen on the same port."""
-    runner = web.AppRunner(
-        build_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
-    )
-    await runner.setup()
+    proxy = await ProxyServer(config).start(reuse_port=reuse_port)
     try:
-        site = web.TCPSite(
-            runner, config.host, config.port, backlog=1024, reuse_port=reuse_port or None
-        )
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        logger.info("splitserve proxy listening on http://%s:%d", config.host, port)
         if started is not None:
-            started(port)
+            assert proxy.port is not None
+            started(proxy.port)
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await proxy.close()
 
 
 class BackgroundProxy:
@@ -330,7 +330,7 @@ class BackgroundProxy:
         self.config = config
         self.start_timeout = start_timeout
         self.port: int | None = None
-        self.app: web.Application | None = None
+        self.proxy: ProxyServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
@@ -343,30 +343,21 @@ class BackgroundProxy:
 
     @property
     def state(self) -> ProxyState:
-        assert self.app is not None
-        return self.app[_STATE]
+        assert self.proxy is not None
+        return self.proxy.state
 
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
 
         async def main() -> None:
-            runner = web.AppRunner(
-                build_app(self.config),
-                handler_cancellation=True,
-                access_log=None,
-                shutdown_timeout=5.0,
-            )
-            await runner.setup()
-            self.app = runner.app
+            self.proxy = await ProxyServer(self.config).start()
             try:
-                site = web.TCPSite(runner, self.config.host, self.config.port, backlog=1024)
-                await site.start()
-                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.port = self.proxy.port
                 self._ready.set()
                 await asyncio.Event().wait()
             finally:
-                await runner.cleanup()
+                await self.proxy.close()
 
         self._task = loop.create_task(main())
         try:

@@ -24,7 +24,9 @@ Invariants:
 - Reads from a connection pause while more than ``_HIGH_WATER`` bytes wait for a slow caller.
 - Errors are ``UpstreamConnectError`` (could not connect; ``timed_out`` says whether the
   connect timed out) and ``UpstreamDisconnected`` (the connection broke or the answer was not
-  HTTP), both ``ConnectionError``; timeouts other than connect are the caller's.
+  HTTP), both ``ConnectionError``; ``TimeoutError`` when the response's ``until`` (a loop time
+  the caller sets, and may move, before each read) passes while waiting. A deadline kept by the
+  response costs one timer per wait, not a timeout context and a cancellation per read.
 """
 
 from __future__ import annotations
@@ -156,9 +158,13 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamResponse:
-    """The answer to one request: status and headers first, then the body as it comes."""
+    """The answer to one request: status and headers first, then the body as it comes.
 
-    def __init__(self) -> None:
+    ``until``: loop time after which a wait for more of the answer raises ``TimeoutError``
+    (None: no bound); the caller moves it between reads (e.g. a stream's idle timeout)."""
+
+    def __init__(self, until: float | None = None) -> None:
+        self.until = until
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
@@ -255,17 +261,26 @@ class UpstreamResponse:
             w.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if self.until is None else loop.call_at(self.until, _expire, waiter)
         try:
-            await self._waiter
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def _headers(self) -> None:
         while not self.headers_done:
             if self._error is not None:
                 raise self._error
             await self._wait()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class _Pool:
@@ -297,8 +312,15 @@ class _Pool:
                 return conn
         return None
 
-    async def connect(self) -> _Connection:
+    async def connect(self, until: float | None = None) -> _Connection:
+        """A new connection; ``UpstreamConnectError`` after the connect timeout, but
+        ``TimeoutError`` when loop time ``until`` comes first (the caller's deadline, not a
+        sign that the server is unreachable)."""
         loop = asyncio.get_running_loop()
+        limit = self.connect_timeout_s
+        caller_bound = until is not None and until - loop.time() < limit
+        if caller_bound:
+            limit = max(0.0, until - loop.time())  # type: ignore[operator]
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
@@ -308,9 +330,11 @@ class _Pool:
                     ssl=self.ssl,
                     server_hostname=self.host if self.ssl is not None else None,
                 ),
-                self.connect_timeout_s,
+                limit,
             )
         except asyncio.TimeoutError:
+            if caller_bound:
+                raise TimeoutError() from None
             raise UpstreamConnectError(
                 f"{self.origin}: connect timed out after {self.connect_timeout_s:g} s",
                 timed_out=True,
@@ -340,9 +364,13 @@ class UpstreamClient:
             pool = self._pools[origin] = _Pool(origin, self.connect_timeout_s)
         return pool
 
-    async def post(self, origin: str, path: str, body: bytes) -> UpstreamResponse:
+    async def post(
+        self, origin: str, path: str, body: bytes, until: float | None = None
+    ) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``origin + path``; returns once the status and headers
-        arrived. The caller reads the body and then calls ``release()`` (or ``close()``)."""
+        arrived, ``TimeoutError`` if that is not before loop time ``until`` (the response keeps
+        ``until`` for its reads). The caller reads the body and then calls ``release()`` (or
+        ``close()``)."""
         pool = self._pool(origin)
         request = (
             b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -351,7 +379,7 @@ class UpstreamClient:
         ) + body
         conn = pool.take()
         if conn is not None:
-            response = UpstreamResponse()
+            response = UpstreamResponse(until)
             try:
                 conn.send(request, response)
                 await response._headers()
@@ -365,8 +393,8 @@ class UpstreamClient:
             except BaseException:
                 response.close()
                 raise
-        conn = await pool.connect()
-        response = UpstreamResponse()
+        conn = await pool.connect(until)
+        response = UpstreamResponse(until)
         try:
             conn.send(request, response)
             await response._headers()

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 
 from splitserve.proxy import stitch
 from splitserve.proxy.config import build_config
-from splitserve.proxy.server import build_app
+from splitserve.proxy.server import ProxyServer
 
 TEXT = ["A", "B", "C", "D", "E"]
 
@@ -125,6 +125,7 @@ async def stack(stub_settings):
     d = await StubVllm(d_hangs=stub_settings.get("d_hangs", False)).start()
     config = build_config(
         {
+            "host": "127.0.0.1",
             "port": 0,
             "flow": "concurrent",
             "prefill": [{"url": p.url, "side_channel_port": 7000}],
@@ -133,10 +134,9 @@ async def stack(stub_settings):
         }
     )
     assert config.first_token_from_prefill is True, "on by default for the concurrent flow"
-    server = TestServer(build_app(config), host="127.0.0.1")
-    await server.start_server()
-    yield f"http://127.0.0.1:{server.port}", p, d
-    await server.close()
+    proxy = await ProxyServer(config).start()
+    yield proxy.url, p, d
+    await proxy.close()
     for stub in (p, d):
         assert stub.server is not None
         await stub.server.close()

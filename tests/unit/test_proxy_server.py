@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from splitserve.proxy.config import build_config
-from splitserve.proxy.server import build_app, proxy_state
+from splitserve.proxy.server import ProxyServer
 
 
 class FakeEngine:
@@ -135,26 +135,17 @@ async def fakes() -> AsyncIterator[dict[str, FakeEngine]]:
         await e.server.close()
 
 
-class Proxy:
-    def __init__(self, server: TestServer) -> None:
-        self.server = server
-        self.url = f"http://127.0.0.1:{server.port}"
-        self.state = proxy_state(server.app)
-
-
-async def start_proxy(settings: dict[str, Any]) -> Proxy:
-    config = build_config({"port": 0, **settings})
-    server = TestServer(build_app(config), host="127.0.0.1")
-    await server.start_server()
-    return Proxy(server)
+async def start_proxy(settings: dict[str, Any]) -> ProxyServer:
+    config = build_config({"host": "127.0.0.1", "port": 0, **settings})
+    return await ProxyServer(config).start()
 
 
 @pytest.fixture
-async def proxies() -> AsyncIterator[list[Proxy]]:
-    started: list[Proxy] = []
+async def proxies() -> AsyncIterator[list[ProxyServer]]:
+    started: list[ProxyServer] = []
     yield started
     for p in started:
-        await p.server.close()
+        await p.close()
 
 
 def pd(fakes: dict[str, FakeEngine], p: list[str], d: list[str], **kw: Any) -> dict[str, Any]:
