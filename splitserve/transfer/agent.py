@@ -9,8 +9,12 @@ engine. NIXL's own progress thread is off: it polls with no delay and keeps a wh
 progress every ``progress_interval_s`` and sleeps in between: on a transport that copies at post
 time (UCX ``cma``, host memory here) it finds them done at once, but over ``tcp`` (and RDMA
 rendezvous) a posted WRITE moves only while someone calls into NIXL, so without it a layer
-posted during the forward would wait for the step's end. Every call into the NIXL agent holds
-one lock (the agent is made without NIXL's own thread safety).
+posted during the forward would wait for the step's end. The same thread also runs while a peer
+pulls from our memory (``hold_progress``): over ``cma`` a READ posted by the peer is reported
+done only if this side calls into NIXL at least every ~30 ms (DESIGN.md), and the side that
+announced the blocks is computing; it then calls ``get_new_notifs`` each round and keeps what
+it returns for ``notifications``. Every call into the NIXL agent holds one lock (the agent is
+made without NIXL's own thread safety).
 
 Invariants:
 - Every block id is validated against the layer of the layout it indexes before anything is
@@ -116,6 +120,8 @@ class KVAgent:
         self._lock = threading.RLock()  # every call into self._agent
         self._progress_interval_s = progress_interval_s
         self._in_flight: dict[int, XferHandle] = {}  # id -> posted, not yet seen settled
+        self._serving = 0  # holds by our users: peers pull from our memory, keep progressing
+        self._notif_buffer: dict[str, list[bytes]] = {}  # read by the progress thread
         self._wake = threading.Condition(self._lock)
         self._closing = False
         self._progress: threading.Thread | None = None
@@ -269,7 +275,26 @@ class KVAgent:
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name (also drives NIXL progress)."""
         with self._lock:
-            return self._agent.get_new_notifs()
+            self._buffer_notifs_locked()
+            out, self._notif_buffer = self._notif_buffer, {}
+            return out
+
+    def _buffer_notifs_locked(self) -> None:
+        for name, notifs in self._agent.get_new_notifs().items():
+            self._notif_buffer.setdefault(name, []).extend(notifs)
+
+    def hold_progress(self) -> None:
+        """A peer may READ our memory now (pull): call into NIXL every progress interval until
+        the matching ``drop_progress``, so its READs complete while our thread computes."""
+        with self._lock:
+            self._serving += 1
+            if self._progress_interval_s > 0:
+                self._start_progress()
+                self._wake.notify()
+
+    def drop_progress(self) -> None:
+        with self._lock:
+            self._serving = max(0, self._serving - 1)
 
     def _start_progress(self) -> None:
         """Start the progress thread (lock held); it sleeps while nothing is in flight."""
@@ -282,11 +307,16 @@ class KVAgent:
     def _progress_loop(self) -> None:
         with self._lock:
             while not self._closing:
-                if not self._in_flight:
+                if not self._in_flight and not self._serving:
                     self._wake.wait()
                     continue
                 for handle in list(self._in_flight.values()):
                     self._check_locked(handle)
+                if self._serving:
+                    try:
+                        self._buffer_notifs_locked()
+                    except Exception as exc:  # never let the progress thread die
+                        logger.warning("NIXL progress (notifications) failed: %s", exc)
                 # Sleep with the lock released: the engine's thread posts and polls meanwhile.
                 self._wake.wait(self._progress_interval_s)
 

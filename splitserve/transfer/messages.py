@@ -65,10 +65,19 @@ class Hello(_Message):
 
 
 class HelloAck(_Message):
-    """The sender accepted a HELLO; names the agent whose notifications (DONE) will arrive."""
+    """The sender accepted a HELLO; names the agent whose notifications (DONE) will arrive.
+
+    A sender that pulls (``direction="pull"``) also sends its own agent metadata and KV layout:
+    the receiver READs from its memory and checks every announced block id against ``layout``.
+    """
 
     type: Literal["hello_ack"] = "hello_ack"
     agent_name: str
+    direction: Literal["pull"] | None = Field(
+        None, description="the sender ANNOUNCEs and the receiver READs; absent: the sender WRITEs"
+    )
+    agent_metadata: bytes | None = Field(None, description="the sender's NIXL metadata (pull)")
+    layout: dict | None = Field(None, description="the sender's KVLayout, dumped (pull)")
 
 
 class Register(_Message):
@@ -98,8 +107,10 @@ class Register(_Message):
 
 
 class Done(_Message):
-    """All of a transfer's KV is written. Travels as a NIXL notification attached to the
-    transfer's last WRITE, so it arrives after the data it covers."""
+    """All of a transfer's KV is written (push) or announced (pull). Push: travels as a NIXL
+    notification attached to the transfer's last WRITE, so it arrives after the data it covers.
+    Pull: travels on the side channel after the transfer's last ANNOUNCE (same socket, so in
+    order); the receiver completes once its READs of every announced block are done."""
 
     type: Literal["done"] = "done"
     transfer_id: str
@@ -134,18 +145,27 @@ class AbortAck(_Message):
 
 
 class Announce(_Message):
-    """Pull strategy: P announces that ``layer``'s blocks ``src_block_ids`` (P's ids) are ready
-    for D to READ into ``dst_block_ids`` (D's ids). Defined for the pull strategy."""
+    """Pull strategy: in each of ``layers``, P's blocks ``src_block_ids`` are complete and D may
+    READ them into its blocks ``dst_block_ids`` (pairwise). One per layer per step while P
+    computes; one for several layers when a registration catches up (bulk, mid-forward)."""
 
     type: Literal["announce"] = "announce"
     transfer_id: str
-    layer: int = Field(ge=0)
-    src_block_ids: list[Annotated[int, Field(ge=0)]]
-    dst_block_ids: list[Annotated[int, Field(ge=0)]]
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    src_block_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    dst_block_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+
+class Pulled(_Message):
+    """Pull strategy, D -> P: every READ of this transfer completed (after DONE): P may free its
+    blocks. A receiver that fails or aborts sends ABORT instead, once its READs settled."""
+
+    type: Literal["pulled"] = "pulled"
+    transfer_id: str
 
 
 Message = Annotated[
-    Hello | HelloAck | Register | Done | Abort | AbortAck | Announce,
+    Hello | HelloAck | Register | Done | Abort | AbortAck | Announce | Pulled,
     Field(discriminator="type"),
 ]
 _MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

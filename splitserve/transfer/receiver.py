@@ -1,8 +1,16 @@
-"""The decode side (D) of the layer-wise push: registers blocks with P and waits for DONE.
+"""The decode side (D) of the layer-wise transfer: registers blocks with P and waits for DONE.
 
-Engine-agnostic; runs in the thread that owns D's KV cache (vLLM worker, SGLang scheduler). In
-the push strategy D posts nothing: P writes into D's registered memory and D only learns, from
-the DONE notification that rides on P's last WRITE, that its blocks are filled.
+Engine-agnostic; runs in the thread that owns D's KV cache (vLLM worker, SGLang scheduler). The
+sender's direction (strategy.py) rules, and it says which in its HELLO_ACK:
+
+- push: D posts nothing. P writes into D's registered memory and D only learns, from the DONE
+  notification that rides on P's last WRITE, that its blocks are filled.
+- pull: the HELLO_ACK brings P's agent metadata and layout (D adds P as a NIXL peer). For each
+  ANNOUNCE (layers, P's blocks, D's blocks) D checks the ids (P's against P's layout, D's
+  against the blocks it registered for that transfer, each (layer, block) at most once) and
+  posts one READ; its agent's progress thread drives it. DONE then comes on the side channel;
+  the load completes when DONE arrived, every registered (layer, block) was announced and
+  every READ is done; D then sends PULLED so P may free.
 
     expect(tid, host, port, block_ids, token_offset, first_token=False, aux_row=None)
                                                        HELLO (first contact) + REGISTER to P;
@@ -25,6 +33,9 @@ Invariants:
   the agent P named in its HELLO_ACK; anything else is dropped with a log line.
 - A transfer registered with ``first_token`` completes only with a DONE that carries the token;
   a DONE without it (a P that predates the field) fails the transfer at once.
+- Pull: no outcome is given to the engine while a READ of that transfer is in flight (it would
+  free blocks a READ still fills); a failed READ or an invalid ANNOUNCE fails the load and
+  ABORTs P, settled like a timeout (ABORT_ACK or ``abort_ack_timeout_s``, and no READ in flight).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.transfer import messages
-from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.agent import KVAgent, TransferPostError, XferHandle
+from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef, SideChannel
 from splitserve.transfer.state import Transfer, TransferState
 
@@ -56,6 +68,9 @@ class ReceiverStats:
     transfers_failed: int = 0
     done_timeouts: int = 0
     messages_rejected: int = 0
+    reads_posted: int = 0  # pull: one READ per ANNOUNCE
+    bytes_read: int = 0
+    post_seconds: float = 0.0  # pull: seconds inside READ posts (over cma: the copy, on D)
     handoffs_s: list[float] = field(default_factory=list)
 
 
@@ -66,6 +81,11 @@ class _Incoming:
     num_blocks: int
     wants_token: bool = False
     outcome: Outcome | None = None  # decided, possibly held back until ABORT_ACK
+    dst_blocks: frozenset[int] = frozenset()  # what we registered (pull: READ targets)
+    reads: list[XferHandle] = field(default_factory=list)  # pull: posted, not settled
+    read_pairs: set[tuple[int, int]] = field(default_factory=set)  # (layer, our block) read
+    done: messages.Done | None = None  # pull: P's DONE, completing once the READs are done
+    final: Outcome | None = None  # settled, given to the engine once no READ is in flight
 
 
 class KVReceiver:
@@ -89,6 +109,7 @@ class KVReceiver:
         self._transfers: dict[str, _Incoming] = {}
         self._hello_sent: set[PeerRef] = set()
         self._sender_agents: dict[PeerRef, str] = {}
+        self._pull_peers: dict[PeerRef, str] = {}  # P that announces -> its NIXL agent name
         self._settled: dict[str, Outcome] = {}
 
     def _peer(self, host: str, port: int) -> PeerRef:
@@ -127,7 +148,9 @@ class KVReceiver:
             layout.validate_block_ids([aux_row], "local aux row", layout.num_kv_layers)
         peer = self._peer(host, port)
         record = Transfer(transfer_id, S.REGISTERED, deadline=self.clock() + self.done_timeout_s)
-        self._transfers[transfer_id] = _Incoming(record, peer, len(block_ids), first_token)
+        self._transfers[transfer_id] = _Incoming(
+            record, peer, len(block_ids), first_token, dst_blocks=frozenset(block_ids)
+        )
         self.channel.send(
             peer,
             messages.Register(
@@ -181,6 +204,8 @@ class KVReceiver:
                 self._on_message(event.peer, event.message)
         now = self.clock()
         for inc in list(self._transfers.values()):
+            if inc.reads or inc.final is not None or inc.done is not None:
+                self._progress_pull(inc)
             if inc.record.state is S.REGISTERED and inc.record.expired(now):
                 inc.record.transition(S.EXPIRED, f"no DONE within {self.done_timeout_s}s")
                 self.stats.done_timeouts += 1
@@ -209,7 +234,12 @@ class KVReceiver:
         )
 
     def _settle(self, inc: _Incoming, outcome: Outcome) -> None:
+        if inc.reads:  # a READ of ours may still fill the blocks: hold the outcome back
+            inc.final = outcome
+            return
         tid = inc.record.transfer_id
+        if self._transfers.get(tid) is not inc:
+            return
         self._transfers.pop(tid, None)
         self._settled[tid] = outcome
         if outcome.ok:
@@ -227,6 +257,7 @@ class KVReceiver:
     def _on_peer_lost(self, peer: PeerRef) -> None:
         self._hello_sent.discard(peer)  # a restarted P needs our metadata again
         self._sender_agents.pop(peer, None)
+        self._pull_peers.pop(peer, None)
         for inc in list(self._transfers.values()):
             if inc.peer == peer:
                 self._fail(inc, f"lost connection to prefill side {peer}")
@@ -234,6 +265,13 @@ class KVReceiver:
     def _on_message(self, peer: PeerRef, message: messages.Message) -> None:
         if isinstance(message, messages.HelloAck):
             self._sender_agents[peer] = message.agent_name
+            self._on_hello_ack(peer, message)
+            return
+        if isinstance(message, messages.Announce):
+            self._on_announce(peer, message)
+            return
+        if isinstance(message, messages.Done):
+            self._on_pull_done(peer, message)
             return
         if isinstance(message, (messages.Abort, messages.AbortAck)):
             tid = message.transfer_id
@@ -279,6 +317,10 @@ class KVReceiver:
                 expected_agent,
             )
             return
+        if inc.peer in self._pull_peers:  # a pulling P sends DONE on the side channel
+            self.stats.messages_rejected += 1
+            logger.warning("receiver: DONE notification for pulled %s", message.transfer_id)
+            return
         if inc.record.state is not S.REGISTERED:
             return  # already timed out or aborted: the held outcome stands
         if message.num_blocks != inc.num_blocks:
@@ -291,3 +333,126 @@ class KVReceiver:
         handoff = max(0.0, time.time() - message.prefill_end_wall)
         token = message.first_token if inc.wants_token else None
         self._settle(inc, Outcome(True, exposed_handoff_s=handoff, first_token=token))
+
+    # -- pull ---------------------------------------------------------------------------------
+
+    def _on_hello_ack(self, peer: PeerRef, ack: messages.HelloAck) -> None:
+        if ack.direction != "pull":
+            self._pull_peers.pop(peer, None)
+            return
+        try:
+            if ack.agent_metadata is None or ack.layout is None:
+                raise ValueError("no agent metadata or layout")
+            name = self.agent.add_peer(ack.agent_metadata, KVLayout.model_validate(ack.layout))
+            if name != ack.agent_name:
+                raise ValueError(f"metadata names agent {name}, HELLO_ACK {ack.agent_name}")
+        except Exception as exc:  # bad metadata or layout: no READ from this peer
+            self.stats.messages_rejected += 1
+            logger.warning("receiver: refusing pull from %s: %s", peer, exc)
+            for inc in list(self._transfers.values()):
+                if inc.peer == peer and inc.record.state is S.REGISTERED:
+                    self._fail_pull(inc, f"prefill side's pull offer refused: {exc}")
+            return
+        self._pull_peers[peer] = name
+
+    def _pulled_transfer(self, peer: PeerRef, message) -> _Incoming | None:
+        """The transfer a pull message names, if it is ours from that peer and still live."""
+        inc = self._transfers.get(message.transfer_id)
+        if inc is None or inc.peer != peer:
+            self.stats.messages_rejected += 1
+            logger.warning(
+                "receiver: %s for unknown transfer %s", message.type, message.transfer_id
+            )
+            return None
+        if inc.record.state is not S.REGISTERED or inc.done is not None:
+            return None  # settled or settling: nothing more is read
+        if peer not in self._pull_peers:
+            self._fail_pull(inc, f"{message.type} from a prefill side that did not offer pull")
+            return None
+        return inc
+
+    def _on_announce(self, peer: PeerRef, announce: messages.Announce) -> None:
+        inc = self._pulled_transfer(peer, announce)
+        if inc is None:
+            return
+        src, dst, layers = announce.src_block_ids, announce.dst_block_ids, announce.layers
+        pairs = {(layer, block) for layer in layers for block in dst}
+        problem = None
+        if len(src) != len(dst):
+            problem = f"{len(src)} source blocks for {len(dst)} destinations"
+        elif len(set(layers)) != len(layers) or len(set(dst)) != len(dst):
+            problem = "duplicate layers or destination blocks"
+        elif any(layer >= self.agent.layout.num_kv_layers for layer in layers):
+            problem = f"layer outside 0..{self.agent.layout.num_kv_layers - 1}"
+        elif not inc.dst_blocks.issuperset(dst):
+            problem = "destination blocks this transfer did not register"
+        elif pairs & inc.read_pairs:
+            problem = "a (layer, block) announced twice"
+        if problem:
+            self._fail_pull(inc, f"invalid ANNOUNCE: {problem}")
+            return
+        all_layers = [layer for layer in layers for _ in dst]
+        t0 = time.perf_counter()  # a cost, not a deadline
+        try:  # validates P's ids against P's layout and ours against our cache
+            handle = self.agent.post(
+                "READ", self._pull_peers[peer], all_layers, dst * len(layers), src * len(layers)
+            )
+        except (TransferPostError, ValueError) as exc:
+            self._fail_pull(inc, f"READ not posted: {exc}")
+            return
+        finally:
+            self.stats.post_seconds += time.perf_counter() - t0
+        inc.reads.append(handle)
+        inc.read_pairs |= pairs
+        self.stats.reads_posted += 1
+        self.stats.bytes_read += handle.num_bytes
+
+    def _on_pull_done(self, peer: PeerRef, done: messages.Done) -> None:
+        inc = self._pulled_transfer(peer, done)
+        if inc is None:
+            return
+        if done.num_blocks != inc.num_blocks:
+            self._fail_pull(inc, f"DONE covers {done.num_blocks} blocks, expected {inc.num_blocks}")
+        elif inc.wants_token and done.first_token is None:
+            self._fail_pull(inc, "DONE carries no first token (does the prefill side predate it?)")
+        elif len(inc.read_pairs) != inc.num_blocks * self.agent.layout.num_kv_layers:
+            self._fail_pull(inc, "DONE before every registered block was announced")
+        else:
+            inc.done = done
+            self._progress_pull(inc)
+
+    def _progress_pull(self, inc: _Incoming) -> None:
+        """Settle finished READs; complete on DONE with none in flight; release a held outcome
+        once the last READ is done."""
+        pending, failed = [], None
+        for handle in inc.reads:
+            state = self.agent.check(handle)
+            if state == "PROC":
+                pending.append(handle)
+                continue
+            self.agent.release(handle)
+            if state == "ERR":
+                failed = f"READ from prefill side {inc.peer} failed"
+        inc.reads = pending
+        if failed is not None and inc.record.state is S.REGISTERED:
+            self._fail_pull(inc, failed)
+        if inc.reads:
+            return
+        if inc.final is not None:
+            final, inc.final = inc.final, None
+            self._settle(inc, final)
+        elif inc.done is not None and inc.record.state is S.REGISTERED:
+            inc.record.transition(S.COMPLETED)
+            tid = inc.record.transfer_id
+            self.channel.send(inc.peer, messages.Pulled(transfer_id=tid))
+            handoff = max(0.0, time.time() - inc.done.prefill_end_wall)
+            token = inc.done.first_token if inc.wants_token else None
+            self._settle(inc, Outcome(True, exposed_handoff_s=handoff, first_token=token))
+
+    def _fail_pull(self, inc: _Incoming, reason: str) -> None:
+        """Fail a pulled load: ABORT P (it may free) and settle like a timeout, once P answers
+        (or ``abort_ack_timeout_s``) and no READ of ours is in flight."""
+        if inc.record.state is not S.REGISTERED:
+            return
+        inc.record.transition(S.FAILED, reason)
+        self._hold_until_ack(inc, Outcome(False, reason))

@@ -1,10 +1,11 @@
-"""The prefill side (P) of the layer-wise push: streams a request's KV blocks to D as it computes.
+"""The prefill side (P) of the layer-wise transfer: makes a request's KV blocks D's as it computes.
 
 Engine-agnostic; runs in the thread that runs the model (vLLM worker, SGLang scheduler). The
 engine adapter drives it per step:
 
     begin_step(updates)      before the forward: block tables and tokens this step completes
-    layer_done(layer)        after each layer: WRITE this layer's newly completed blocks
+    layer_done(layer)        after each layer: WRITE (push) or ANNOUNCE (pull) this layer's
+                             newly completed blocks
     end_step()               after the forward: advance the watermarks
     finish_request / cancel  the engine finished (lease starts; with the request's first
                              output token when it has one) or dropped the request
@@ -23,6 +24,14 @@ posted after every other WRITE of the transfer has completed, so it arrives afte
 When D's registration asks for the first output token (``Register.first_token``), DONE also
 waits for ``finish_request`` to bring it (the engine knows the token only once the step that
 completed the prompt has sampled it) and carries it to D.
+
+Pull (``direction=Direction.PULL``, strategy.py): every place that would post a WRITE sends an
+ANNOUNCE of the same (layers, P blocks, D blocks) on the side channel instead, and D READs them.
+DONE then goes on the side channel after the last ANNOUNCE (same socket: in order), and the
+transfer completes only when D answers PULLED (every READ of it done): only then may P free.
+While a pull is open the agent's progress thread calls into NIXL (``hold_progress``), so D's
+READs complete while this thread computes. No PULLED within ``lease_s`` of DONE (D died):
+EXPIRED, freed. The HELLO_ACK carries P's agent metadata and layout for D to read from.
 
 Aux rows (layouts with ``aux_layers``, e.g. SGLang's metadata buffers): the request's row
 (``add_request(..., aux_row=)``) is written into D's row (``Register.aux_row``) by the final
@@ -50,6 +59,7 @@ from splitserve.transfer.agent import KVAgent, TransferPostError, XferHandle
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.side_channel import PeerRef, SideChannel
 from splitserve.transfer.state import Transfer, TransferState
+from splitserve.transfer.strategy import Direction
 
 logger = logging.getLogger(__name__)
 S = TransferState
@@ -66,17 +76,19 @@ class StepUpdate:
 
 @dataclass
 class SenderStats:
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # written (push) or announced for D to read (pull)
     writes_posted: int = 0
+    announces_sent: int = 0  # pull: one per layer per step, or one per catch-up
     transfers_completed: int = 0
     transfers_failed: int = 0
     transfers_aborted: int = 0
     lease_expiries: int = 0
     registrations_received: int = 0
     registrations_rejected: int = 0
-    # Seconds this side spent inside WRITE posts, on the thread that posts (the forward's, or
-    # the GPU poster's). Over UCX's cma the copy itself runs inside the post, so this is what
-    # the transfer costs the prefill side's CPU; over tcp the bytes move later, in progress.
+    # Seconds this side spent inside WRITE posts (pull: ANNOUNCE sends), on the thread that
+    # posts (the forward's, or the GPU poster's). Over UCX's cma a WRITE's copy runs inside the
+    # post, so this is what the transfer costs the prefill side's CPU; over tcp the bytes move
+    # later, in progress. A pull leaves the copy to D: here only the message's cost remains.
     post_seconds: float = 0.0
 
 
@@ -104,6 +116,8 @@ class _Outgoing:
     aux_row: int | None = None  # P's row in the aux layers
     dst_aux_row: int | None = None  # D's row, from its registration
     registration: messages.Register | None = None
+    done_sent: bool = False  # pull: DONE went out, waiting for D's PULLED
+    holds_progress: bool = False  # pull: the agent keeps progressing for D's READs
 
     @property
     def end(self) -> int:
@@ -126,6 +140,7 @@ class KVSender:
         channel: SideChannel,
         *,
         lease_s: float,
+        direction: Direction = Direction.PUSH,
         clock=time.monotonic,
     ) -> None:
         self.agent = agent
@@ -135,6 +150,9 @@ class KVSender:
         self.num_layers = agent.layout.num_kv_layers
         self.aux_layers = list(range(self.num_layers, len(agent.layout.layers)))
         self.lease_s = lease_s
+        self.pull = direction is Direction.PULL
+        if self.pull and self.aux_layers:
+            raise ValueError("the pull direction does not carry aux rows; use push")
         self.clock = clock
         self.stats = SenderStats()
         self._transfers: dict[str, _Outgoing] = {}
@@ -264,14 +282,21 @@ class KVSender:
         now = self.clock()
         for out in list(self._transfers.values()):
             self._settle_handles(out)
-            if out.record.state is S.FLUSHING and not out.handles and out.carrier is None:
+            idle = not out.handles and out.carrier is None and not out.done_sent
+            if out.record.state is S.FLUSHING and idle:
                 aux_ready = out.dst_aux_row is None or out.request_finished
                 if aux_ready and (not out.wants_token or out.first_token is not None):
-                    self._post_carrier(out)
+                    if self.pull:
+                        self._send_done(out)
+                    else:
+                        self._post_carrier(out)
                 elif out.request_finished:
                     self._fail(out, "the request finished without a first token for D")
             if out.record.state is S.AWAITING_REGISTRATION and out.record.expired(now):
                 out.record.transition(S.EXPIRED, f"no registration within {self.lease_s}s lease")
+                self.stats.lease_expiries += 1
+            elif out.done_sent and out.record.state is S.FLUSHING and out.record.expired(now):
+                out.record.transition(S.EXPIRED, f"no PULLED within {self.lease_s}s of DONE")
                 self.stats.lease_expiries += 1
         for tid, orphan in list(self._orphans.items()):
             if now >= orphan.deadline:
@@ -286,6 +311,9 @@ class KVSender:
                 continue
             self._notify_peer_of_end(out)
             if out.request_finished:
+                if out.holds_progress:
+                    out.holds_progress = False
+                    self.agent.drop_progress()
                 released[tid] = out.record
                 del self._transfers[tid]
         return released
@@ -326,6 +354,9 @@ class KVSender:
             return
         src = out.block_ids[lo:hi]
         dst = out.dst_blocks[lo - out.first : hi - out.first]
+        if self.pull:
+            self._announce(out, layers, src, dst)
+            return
         all_layers = [layer for layer in layers for _ in src]
         t0 = time.perf_counter()  # a cost, not a deadline: the real clock, not self.clock
         try:
@@ -340,6 +371,54 @@ class KVSender:
         out.handles.append(handle)
         self.stats.writes_posted += 1
         self.stats.bytes_sent += handle.num_bytes
+
+    def _announce(self, out: _Outgoing, layers: list[int], src: list[int], dst: list[int]) -> None:
+        """Pull: tell D these (layers x blocks) are complete; D READs them."""
+        t0 = time.perf_counter()
+        try:
+            for layer in layers:
+                self.layout.validate_block_ids(src, "local block", layer)
+        except ValueError as exc:
+            self._fail(out, f"ANNOUNCE not sent: {exc}")
+            return
+        if not out.holds_progress:
+            out.holds_progress = True
+            self.agent.hold_progress()
+        announce = messages.Announce(
+            transfer_id=out.record.transfer_id,
+            layers=list(layers),
+            src_block_ids=list(src),
+            dst_block_ids=list(dst),
+        )
+        assert out.peer is not None
+        self.channel.send(out.peer, announce)
+        self.stats.post_seconds += time.perf_counter() - t0
+        self.stats.announces_sent += 1
+        self.stats.bytes_sent += len(src) * sum(self.layout.layers[i].block_bytes for i in layers)
+
+    def _send_done(self, out: _Outgoing) -> None:
+        """Pull: DONE after the last ANNOUNCE (same socket, so D sees it after them); the
+        transfer completes when D says PULLED, or expires a lease later."""
+        done = messages.Done(
+            transfer_id=out.record.transfer_id,
+            num_blocks=len(out.dst_blocks),
+            prefill_end_wall=out.prefill_end_wall or time.time(),
+            first_token=out.first_token if out.wants_token else None,
+        )
+        assert out.peer is not None
+        self.channel.send(out.peer, done)
+        out.done_sent = True
+        out.record.deadline = self.clock() + self.lease_s
+
+    def _on_pulled(self, peer: PeerRef, pulled: messages.Pulled) -> None:
+        out = self._transfers.get(pulled.transfer_id)
+        if out is None or out.peer != peer or not out.done_sent:
+            logger.warning("sender: PULLED for %s from %s ignored", pulled.transfer_id, peer)
+            return
+        if out.record.state is S.FLUSHING:
+            out.record.transition(S.COMPLETED)
+            out.notified_peer = True  # DONE itself told D
+            self.stats.transfers_completed += 1
 
     def _post_carrier(self, out: _Outgoing) -> None:
         """The final WRITE with DONE: the aux rows when the transfer has them, else the last
@@ -417,6 +496,8 @@ class KVSender:
                 self._on_register(peer, message)
             elif isinstance(message, messages.Abort):
                 self._on_abort(peer, message)
+            elif isinstance(message, messages.Pulled):
+                self._on_pulled(peer, message)
             else:
                 logger.warning("sender: unexpected %s from %s", message.type, peer)
 
@@ -434,7 +515,16 @@ class KVSender:
             )
         assert peer.inbound is not None
         self._peer_agents[peer.inbound] = name
-        self.channel.send(peer, messages.HelloAck(agent_name=self.agent.name))
+        if self.pull:  # D reads from us: it needs our metadata and layout
+            ack = messages.HelloAck(
+                agent_name=self.agent.name,
+                direction="pull",
+                agent_metadata=self.agent.metadata(),
+                layout=self.layout.model_dump(mode="json"),
+            )
+        else:
+            ack = messages.HelloAck(agent_name=self.agent.name)
+        self.channel.send(peer, ack)
 
     def _on_register(self, peer: PeerRef, reg: messages.Register) -> None:
         tid = reg.transfer_id

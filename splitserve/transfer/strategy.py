@@ -5,10 +5,12 @@ over ``cma`` the initiator's CPU does the copy, so a pull by D costs P nothing w
 P about 15% of its compute; over ``tcp`` a push costs P less than a pull; over RDMA and device
 memory the NIC copies, so both cost the same and push needs one message less.
 
-The protocol, states and messages are the same for both directions (``Announce`` is the pull
-counterpart of a per-layer WRITE). This version implements the push data path only: ``choose``
-reports the direction the design prefers and ``effective`` the one the sender will use, so the
-difference stays visible in logs and docs instead of hidden in a second copy of the code.
+The protocol, states and leases are the same for both directions. The sender's direction
+rules a transfer: a pushing sender WRITEs each layer's blocks and sends DONE on its last
+WRITE; a pulling sender ANNOUNCEs them on the side channel (``Announce``, in the thread that
+would have posted the WRITE), sends DONE after the last ANNOUNCE, and frees once D says
+``Pulled``. It tells the receiver in its HELLO_ACK, so one receiver serves both. The difference
+lives in two branches of ``KVSender`` (post and finish) and the pull handling of ``KVReceiver``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Direction(enum.Enum):
     PULL = "pull"  # P ANNOUNCEs each layer's blocks, D READs them
 
 
-IMPLEMENTED = frozenset({Direction.PUSH})
+IMPLEMENTED = frozenset({Direction.PUSH, Direction.PULL})
 
 
 def transport_of(env: dict[str, str] | None = None) -> str:
@@ -43,7 +45,10 @@ def choose(transport: str, memory: str) -> Direction:
     return Direction.PUSH
 
 
-def effective(transport: str, memory: str) -> Direction:
-    """The direction the sender uses: the preferred one if implemented, else push."""
+def effective(transport: str, memory: str, setting: str = "auto") -> Direction:
+    """The direction the sender uses: ``setting`` ("push" / "pull", the connector's
+    ``direction`` key) when given, else the preferred one if implemented, else push."""
+    if setting != "auto":
+        return Direction(setting)
     preferred = choose(transport, memory)
     return preferred if preferred in IMPLEMENTED else Direction.PUSH

@@ -7,6 +7,10 @@ computing with its own KV, and that is the reference. Requests are dispatched th
 
 Block size on CPU is 128; P's token budget is 512 tokens per step, so a 1300-token prompt is
 prefilled in three chunks and streamed chunk by chunk.
+
+Direction: on host memory over UCX ``cma`` (this machine) the pair pulls (P announces, D
+reads); ``test_push_prefill_server`` covers the push path with a third server whose connector
+sets ``"direction": "push"``.
 """
 
 from __future__ import annotations
@@ -294,7 +298,8 @@ def test_abort_on_decode_side_tells_prefill_and_frees(pair):
 
 
 def test_no_leak_and_metrics(pair):
-    """After everything above: no blocks held anywhere, transfers counted, none failed."""
+    """After everything above: no blocks held anywhere, transfers counted, none failed; the
+    pair pulled (announces and READs counted, no WRITE posted)."""
     urls = [url for url, _ in pair.servers.values()]
     prompt = prompt_of(300, 950)  # at least one transfer, also when run on its own
     assert_same(concurrent_flow(pair["ss-a"], pair["ss-b"], prompt), reference(urls[0], prompt), "")
@@ -304,6 +309,30 @@ def test_no_leak_and_metrics(pair):
     assert sum(metric(url, "vllm:splitserve_transfers_completed_total") for url in urls) > 0
     assert sum(metric(url, "vllm:splitserve_loads_completed_total") for url in urls) > 0
     assert sum(metric(url, "vllm:splitserve_exposed_handoff_seconds_count") for url in urls) > 0
+    assert sum(metric(url, "vllm:splitserve_announces_sent_total") for url in urls) > 0
+    assert sum(metric(url, "vllm:splitserve_reads_posted_total") for url in urls) > 0
+    assert sum(metric(url, "vllm:splitserve_writes_posted_total") for url in urls) == 0
+
+
+def test_push_prefill_server(pair, servers, tiny_model):
+    """A P whose connector sets ``"direction": "push"`` (WRITEs into D) serving the pair's D
+    (which follows P's direction): greedy tokens equal colocated, chunked and first-token."""
+    side = free_ports(1)[0]
+    kv = pair.kv_config(side)
+    kv["kv_connector_extra_config"]["direction"] = "push"
+    push_p = servers.vllm(
+        "ss-push-p", tiny_model, kv_transfer_config=kv, extra_args=pair.extra_args, cpu_core=0
+    )
+    p, d = (push_p.url, side), pair["ss-b"]
+    for i, length in enumerate([BLOCK + 1, 1300]):
+        prompt = prompt_of(length, 1500 + i)
+        ref = reference(push_p.url, prompt)
+        assert_same(concurrent_flow(p, d, prompt), ref, f"push, concurrent, {length} tokens")
+        assert_same(first_token_flow(p, d, prompt), ref, f"push, first token, {length} tokens")
+    wait_kv_usage_zero(push_p.url)
+    assert metric(push_p.url, "vllm:splitserve_writes_posted_total") > 0
+    assert metric(push_p.url, "vllm:splitserve_announces_sent_total") == 0
+    assert metric(push_p.url, "vllm:splitserve_transfers_failed_total") == 0
 
 
 # -- dead peers (run last: they stop processes) --------------------------------------------------

@@ -1,4 +1,6 @@
-"""A posted WRITE completes while the poster makes no NIXL call (KVAgent's progress thread).
+"""A posted WRITE completes while the poster makes no NIXL call (KVAgent's progress thread),
+and a READ of a peer's memory completes while that peer's thread makes none (pull: the peer
+holds progress, ``KVAgent.hold_progress``).
 
 Over UCX ``tcp`` a WRITE moves only while someone drives NIXL progress; a prefill server posts a
 layer's WRITE and then computes the next layer for a long time without calling into NIXL. Two
@@ -42,6 +44,21 @@ def make_agent(name: str, cache):
     from splitserve.transfer.layout import kv_layout_from_tensors
 
     return KVAgent(name, kv_layout_from_tensors(cache, NUM_BLOCKS, BLOCK_SIZE))
+
+
+def run_source() -> None:
+    """P in a pull: hold progress for D's READ, then make no NIXL call from this thread."""
+    cache = make_cache(SEED)
+    agent = make_agent(f"P-{os.getpid()}", cache)
+    agent.hold_progress()
+    hello = {
+        "metadata": base64.b64encode(agent.metadata()).decode(),
+        "layout": agent.layout.model_dump(mode="json"),
+    }
+    print("EVENT " + json.dumps(hello), flush=True)
+    sys.stdin.readline()  # blocks until D has read every byte
+    agent.drop_progress()
+    agent.close()
 
 
 def run_poster() -> None:
@@ -115,5 +132,53 @@ def test_write_completes_without_poster_calls() -> None:
         agent.close()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tls", ["default", "tcp"])
+def test_read_completes_while_the_source_computes(tls) -> None:
+    import torch
+
+    from splitserve.transfer.layout import KVLayout
+
+    cache = make_cache(None)
+    agent = make_agent(f"D-{os.getpid()}", cache)
+    env = dict(os.environ)
+    if tls == "tcp":
+        env["UCX_TLS"] = "tcp"
+    child = subprocess.Popen(
+        [sys.executable, __file__, "source"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        peer = next_event(child)
+        name = agent.add_peer(
+            base64.b64decode(peer["metadata"]), KVLayout.model_validate(peer["layout"])
+        )
+        blocks = list(range(NUM_BLOCKS))
+        layers = [layer for layer in range(NUM_LAYERS) for _ in blocks]
+        handle = agent.post("READ", name, layers, blocks * NUM_LAYERS, blocks * NUM_LAYERS)
+        expected = make_cache(SEED)
+        deadline = time.monotonic() + 120
+        while agent.check(handle) == "PROC":  # D's own progress thread drives it too
+            assert time.monotonic() < deadline, "the READ did not complete"
+            time.sleep(0.005)
+        assert agent.check(handle) == "DONE"
+        agent.release(handle)
+        assert all(torch.equal(c, e) for c, e in zip(cache, expected, strict=True))
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        agent.close()
+
+
 if __name__ == "__main__":
-    run_poster()
+    if sys.argv[1:] == ["source"]:
+        run_source()
+    else:
+        run_poster()

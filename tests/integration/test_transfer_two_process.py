@@ -1,9 +1,10 @@
 """splitserve.transfer on its own: two real processes, real NIXL (UCX, host memory), real bytes.
 
 The test process plays D (receiver); a child process (this file run as a script) plays P
-(sender) through one scenario. P's KV is random data from a seed both sides know, so D checks
-every byte it received against what P holds, and that nothing outside the registered blocks
-was touched.
+(sender) through one scenario, pushing (P WRITEs) or pulling (P ANNOUNCEs, D READs; the
+direction is P's, passed in ``DIRECTION``). P's KV is random data from a seed both sides know,
+so D checks every byte it received against what P holds, and that nothing outside the
+registered blocks was touched. For a D that dies mid-pull, D is a child process too.
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
     from splitserve.transfer.sender import KVSender, StepUpdate
     from splitserve.transfer.side_channel import SideChannel
     from splitserve.transfer.state import TransferState
+    from splitserve.transfer.strategy import Direction
 
     cache = make_cache(seed=1234)
     agent = make_agent(f"P-{os.getpid()}", cache)
     channel = SideChannel("127.0.0.1", port, key)
-    sender = KVSender(agent, channel, lease_s=float(os.environ.get("LEASE_S", "30")))
+    lease_s = float(os.environ.get("LEASE_S", "30"))
+    direction = Direction(os.environ.get("DIRECTION", "push"))
+    sender = KVSender(agent, channel, lease_s=lease_s, direction=direction)
     tid, num_tokens = "tid-1", 70  # 5 blocks of 16; the last one partly filled
     p_blocks = [3, 0, 7, 5, 11]
     released: set[str] = set()
@@ -73,7 +77,7 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
 
     sender.add_request(tid, num_tokens)
     say(event="ready")
-    if scenario in ("stream", "hang"):
+    if scenario in ("stream", "hang", "pause"):
         wait(lambda: sender.state_of(tid) is TransferState.STREAMING)
     chunks = [20, 45, 70]  # chunked prefill: blocks complete at 16, 32, then all
     for i, computed in enumerate(chunks):
@@ -86,6 +90,9 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
         if scenario == "hang" and i == 1:
             say(event="streamed_some")
             time.sleep(600)
+        if scenario == "pause" and i == 1:  # the test kills D here, then lets P go on
+            say(event="streamed_some")
+            sys.stdin.readline()
     sender.finish_request(tid)
     if scenario == "late":
         say(event="prefill_done")
@@ -99,6 +106,25 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
     channel.close()
 
 
+def run_receiver(port: int, key: bytes | None) -> None:
+    """D as a child (for the test that kills it mid-pull): register, then poll until killed."""
+    from splitserve.transfer.receiver import KVReceiver
+    from splitserve.transfer.side_channel import SideChannel
+
+    agent = make_agent(f"D-{os.getpid()}", make_cache(seed=None))
+    channel = SideChannel(None, None, key)
+    receiver = KVReceiver(agent, channel, done_timeout_s=120, abort_ack_timeout_s=5)
+    receiver.expect("tid-1", "127.0.0.1", port, [9, 2, 4, 6, 1], token_offset=0)
+    print("EVENT " + json.dumps({"event": "registered"}), flush=True)
+    said = False
+    while True:
+        receiver.poll()
+        if receiver.stats.reads_posted and not said:
+            said = True
+            print("EVENT " + json.dumps({"event": "reading"}), flush=True)
+        time.sleep(0.002)
+
+
 # ---------------------------------------------------------------------------------------------
 # D: the test process
 # ---------------------------------------------------------------------------------------------
@@ -109,10 +135,15 @@ class SenderProcess:
         args = [sys.executable, __file__, scenario, str(port), (key or b"").decode()]
         self.proc = subprocess.Popen(
             args,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
         )
+
+    def go_on(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
     def next_event(self) -> dict:
         while True:
@@ -193,14 +224,19 @@ def reset(d_cache):
         tensor.zero_()
 
 
+DIRECTIONS = ["push", "pull"]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("scenario", ["stream", "late"])
-def test_blocks_arrive_byte_exact(receiver_side, scenario):
-    """Streamed per layer and chunk (registration first) or in bulk (registration last)."""
+def test_blocks_arrive_byte_exact(receiver_side, scenario, direction):
+    """Streamed per layer and chunk (registration first) or in bulk (registration last),
+    written by P or announced by P and read by D."""
     d_cache, make_receiver = receiver_side
     reset(d_cache)
     receiver = make_receiver(AUTH_KEY)
     port = free_port()
-    sender = SenderProcess(scenario, port, AUTH_KEY)
+    sender = SenderProcess(scenario, port, AUTH_KEY, env={"DIRECTION": direction})
     try:
         sender.wait_for("ready")
         if scenario == "late":
@@ -213,11 +249,14 @@ def test_blocks_arrive_byte_exact(receiver_side, scenario):
         end = sender.wait_for("end")
         assert end["released"] == ["tid-1"]
         assert end["stats"]["transfers_completed"] == 1
-        if scenario == "stream":
-            # one WRITE per layer per chunk that completed blocks, none twice
-            assert end["stats"]["writes_posted"] == 3 * NUM_LAYERS
+        # one WRITE (ANNOUNCE) per layer per chunk that completed blocks, none twice; one bulk
+        posts = 3 * NUM_LAYERS if scenario == "stream" else 1
+        if direction == "push":
+            assert end["stats"]["writes_posted"] == posts
         else:
-            assert end["stats"]["writes_posted"] == 1
+            assert end["stats"]["writes_posted"] == 0
+            assert end["stats"]["announces_sent"] == posts
+            assert receiver.stats.reads_posted == posts
         check_bytes(d_cache, expected_blocks(), list(zip([3, 0, 7, 5, 11], d_blocks, strict=True)))
     finally:
         sender.stop()
@@ -286,20 +325,62 @@ def test_out_of_range_blocks_are_rejected(receiver_side):
         sender.stop()
 
 
-def test_sender_death_fails_the_receiver_fast(receiver_side):
-    """P killed mid-stream: D's transfer fails on the lost connection, well before its timeout."""
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_sender_death_fails_the_receiver_fast(receiver_side, direction):
+    """P killed mid-stream (mid-pull: D has READs of P's memory posted): D's transfer fails on
+    the lost connection, well before its timeout."""
     d_cache, make_receiver = receiver_side
     receiver = make_receiver(AUTH_KEY, done_timeout_s=120.0)
     port = free_port()
-    sender = SenderProcess("hang", port, AUTH_KEY)
+    sender = SenderProcess("hang", port, AUTH_KEY, env={"DIRECTION": direction})
     try:
         sender.wait_for("ready")
         receiver.expect("tid-1", "127.0.0.1", port, [9, 2, 4, 6, 1], token_offset=0)
         sender.wait_for("streamed_some")
+        if direction == "pull":
+            end = time.monotonic() + 30
+            while not receiver.stats.reads_posted:  # D is pulling when P dies
+                assert time.monotonic() < end, "no READ posted"
+                assert receiver.poll() == {}
+                time.sleep(0.002)
         sender.proc.kill()
         outcome = settle(receiver, "tid-1", bound=60.0)
         assert not outcome.ok and "lost connection" in outcome.reason
     finally:
+        sender.stop()
+
+
+def test_receiver_death_mid_pull_frees_on_the_sender():
+    """D (a child here) killed while pulling: P finishes, sends DONE, gets no PULLED and frees
+    its blocks a lease later; nothing hangs."""
+    port = free_port()
+    sender = SenderProcess(
+        "pause", port, AUTH_KEY, env={"DIRECTION": "pull", "LEASE_S": "2", "WAIT_S": "30"}
+    )
+    receiver = subprocess.Popen(
+        [sys.executable, __file__, "receive", str(port), AUTH_KEY.decode()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        sender.wait_for("ready")
+        while True:
+            line = receiver.stdout.readline()
+            assert line, f"receiver exited early with {receiver.wait()}"
+            if '"reading"' in line:
+                break
+        sender.wait_for("streamed_some")
+        receiver.kill()
+        receiver.wait()
+        sender.go_on()
+        end = sender.wait_for("end")
+        assert end["released"] == ["tid-1"], "P must free once the lease after DONE is over"
+        assert end["stats"]["lease_expiries"] == 1
+        assert end["stats"]["transfers_completed"] == 0
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.wait()
         sender.stop()
 
 
@@ -326,4 +407,7 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging_level)
-    run_sender(sys.argv[1], int(sys.argv[2]), sys.argv[3].encode() or None)
+    if sys.argv[1] == "receive":
+        run_receiver(int(sys.argv[2]), sys.argv[3].encode() or None)
+    else:
+        run_sender(sys.argv[1], int(sys.argv[2]), sys.argv[3].encode() or None)

@@ -16,11 +16,15 @@ def sample_messages():
     return [
         messages.Hello(agent_name="d", agent_metadata=b"\x00\xffmeta", layout={"a": 1}),
         messages.HelloAck(agent_name="p"),
+        messages.HelloAck(
+            agent_name="p", direction="pull", agent_metadata=b"\x01m", layout={"b": 2}
+        ),
         messages.Register(transfer_id="t", agent_name="d", block_ids=[[1, 2, 3]], token_offset=0),
         messages.Done(transfer_id="t", num_blocks=3, prefill_end_wall=12.5),
         messages.Abort(transfer_id="t", reason="gone"),
         messages.AbortAck(transfer_id="t"),
-        messages.Announce(transfer_id="t", layer=2, src_block_ids=[1], dst_block_ids=[4]),
+        messages.Announce(transfer_id="t", layers=[2], src_block_ids=[1], dst_block_ids=[4]),
+        messages.Pulled(transfer_id="t"),
     ]
 
 
@@ -31,11 +35,11 @@ def test_every_message_round_trips(key):
 
 
 def test_hmac_rejects_wrong_key_missing_mac_and_tampering():
-    wire = messages.encode(sample_messages()[2], KEY)
+    wire = messages.encode(sample_messages()[3], KEY)
     with pytest.raises(messages.MessageAuthError):
         messages.decode(wire, b"other-key")
     with pytest.raises(messages.MessageAuthError):
-        messages.decode(messages.encode(sample_messages()[2], None), KEY)
+        messages.decode(messages.encode(sample_messages()[3], None), KEY)
     tampered = wire[:-3] + b"9]]" if wire.endswith(b"]]") else wire[:-1] + b"X"
     with pytest.raises(messages.MessageError):
         messages.decode(tampered, KEY)
@@ -113,7 +117,11 @@ def test_strategy_by_transport():
     assert strategy.choose("cma", "DRAM") is strategy.Direction.PULL
     assert strategy.choose("tcp", "DRAM") is strategy.Direction.PUSH
     assert strategy.choose("rdma", "VRAM") is strategy.Direction.PUSH
-    assert strategy.effective("cma", "DRAM") is strategy.Direction.PUSH  # pull not built yet
+    assert strategy.effective("cma", "DRAM") is strategy.Direction.PULL
+    assert strategy.effective("tcp", "DRAM") is strategy.Direction.PUSH
+    # the connector's ``direction`` key overrides the choice either way
+    assert strategy.effective("cma", "DRAM", "push") is strategy.Direction.PUSH
+    assert strategy.effective("tcp", "DRAM", "pull") is strategy.Direction.PULL
 
 
 def test_first_token_fields_round_trip_signed_and_stay_off_the_wire_when_unset():
@@ -126,7 +134,7 @@ def test_first_token_fields_round_trip_signed_and_stay_off_the_wire_when_unset()
     # Unset optional fields are not on the wire: a peer that predates them accepts the message.
     plain = messages.Done(transfer_id="t", num_blocks=1, prefill_end_wall=1.0)
     assert b"first_token" not in messages.encode(plain, KEY)
-    assert b"first_token" not in messages.encode(sample_messages()[2], KEY)
+    assert b"first_token" not in messages.encode(sample_messages()[3], KEY)
     # The token is covered by the MAC like every other field.
     wire = messages.encode(done, KEY)
     with pytest.raises(messages.MessageAuthError):

@@ -1,4 +1,4 @@
-"""KVSender / KVReceiver logic against fakes of the NIXL agent and the side channel.
+"""KVSender / KVReceiver logic, push and pull, against fakes of the NIXL agent and side channel.
 
 The fakes (``FakeAgent``, ``FakeChannel``) only record what our logic asks of them; the real
 agent and channel are tested between real processes in tests/integration.
@@ -20,6 +20,7 @@ from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender, StepUpdate
 from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef
 from splitserve.transfer.state import TransferState
+from splitserve.transfer.strategy import Direction
 
 B = 16
 LAYERS = 3
@@ -39,19 +40,30 @@ class FakeAgent:
     name = "P"
     layout = LAYOUT
 
-    def __init__(self):
+    def __init__(self, peer_name="D"):
         self.posted: list[FakeHandle] = []
         self.notifs: dict[str, list[bytes]] = {}
+        self.peer_name = peer_name
+        self.peers_added: list[bytes] = []
+        self.holds = 0  # hold_progress minus drop_progress
 
     def add_peer(self, metadata, layout):
-        return "D"
+        self.peers_added.append(metadata)
+        return self.peer_name
 
     def post(self, op, peer, layers, local, remote, notif=b""):
         LAYOUT.validate_block_ids(local, "local")
         LAYOUT.validate_block_ids(remote, "remote")
         handle = FakeHandle(list(zip(layers, local, remote, strict=True)), notif)
+        handle.op = op
         self.posted.append(handle)
         return handle
+
+    def hold_progress(self):
+        self.holds += 1
+
+    def drop_progress(self):
+        self.holds -= 1
 
     def check(self, handle):
         return handle.state
@@ -90,10 +102,12 @@ class FakeChannel:
         self.sent.append((peer, message))
 
 
-def make_sender(lease_s=10.0):
+def make_sender(lease_s=10.0, direction=Direction.PUSH):
     clock = itertools.count().__next__  # every call is one second later
     agent, channel = FakeAgent(), FakeChannel()
-    sender = KVSender(agent, channel, lease_s=lease_s, clock=lambda: float(clock()))
+    sender = KVSender(
+        agent, channel, lease_s=lease_s, direction=direction, clock=lambda: float(clock())
+    )
     channel.inbox.append(
         Inbound(PEER, messages.Hello(agent_name="D", agent_metadata=b"m", layout={}))
     )
@@ -134,12 +148,31 @@ def copies(agent, with_carrier=False):
     return out
 
 
+def announced(channel):
+    """Pull: the (layer, P block, D block) copies P announced, in order."""
+    out = []
+    for _, message in channel.sent:
+        if isinstance(message, messages.Announce):
+            for layer in message.layers:
+                out.extend(
+                    (layer, s, d)
+                    for s, d in zip(message.src_block_ids, message.dst_block_ids, strict=True)
+                )
+    return out
+
+
+def sent_of(channel, kind):
+    return [m for _, m in channel.sent if isinstance(m, kind)]
+
+
+@pytest.mark.parametrize("direction", list(Direction))
 @pytest.mark.parametrize("registration", ["early", "late", "middle", "mid-forward"])
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 33, 100])
-def test_every_needed_block_written_exactly_once(registration, num_tokens):
-    """Any prompt length, chunking, registration time: each (layer, block) once, then DONE."""
+def test_every_needed_block_written_exactly_once(registration, num_tokens, direction):
+    """Any prompt length, chunking, registration time, push or pull: each (layer, block) is
+    written (announced) once, then DONE; pull frees only on D's PULLED."""
     rng = random.Random(num_tokens)
-    sender, agent, channel = make_sender()
+    sender, agent, channel = make_sender(direction=direction)
     tid = "t"
     n_blocks = math.ceil(num_tokens / B)
     p_blocks = rng.sample(range(NUM_BLOCKS), n_blocks)
@@ -169,10 +202,26 @@ def test_every_needed_block_written_exactly_once(registration, num_tokens):
     released |= sender.poll()  # carrier posted once the data WRITEs are done
     complete_all(agent)
     released |= sender.poll()
-    assert released == {tid}
     expected = sorted(
         (layer, p_blocks[i], dst[i]) for layer in range(LAYERS) for i in range(needed)
     )
+    if direction is Direction.PULL:
+        assert agent.posted == [], "a pulling P posts nothing"
+        assert sorted(announced(channel)) == expected
+        dones = sent_of(channel, messages.Done)
+        if needed:
+            assert released == set(), "held until D's READs are done"
+            assert len(dones) == 1 and dones[0].num_blocks == needed
+            assert isinstance(channel.sent[-1][1], messages.Done), "DONE after every ANNOUNCE"
+            assert agent.holds == 1, "P keeps NIXL progressing while D reads"
+            channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id=tid)))
+            released |= sender.poll()
+        else:
+            assert not dones
+        assert released == {tid}
+        assert agent.holds == 0
+        return
+    assert released == {tid}
     assert sorted(copies(agent)) == expected
     carriers = [h for h in agent.posted if h.notif]
     if needed:
@@ -485,3 +534,287 @@ def test_receiver_passes_the_first_token_and_fails_a_done_without_it():
     settled = receiver.poll()
     assert settled["a"].ok and settled["a"].first_token == 5
     assert not settled["b"].ok and "no first token" in settled["b"].reason
+
+
+# -- pull: the prefill side ---------------------------------------------------------------------
+
+
+def pull_sender(lease_s=10.0):
+    return make_sender(lease_s, direction=Direction.PULL)
+
+
+def test_pull_announces_per_layer_as_the_forward_runs():
+    sender, agent, channel = pull_sender()
+    sender.add_request("t", 40)
+    register(channel, "t", [5, 6, 7])
+    sender.begin_step([StepUpdate("t", [1, 2, 3], 20)])  # block 0 complete, block 1 partial
+    sender.layer_done(0)
+    assert announced(channel) == [(0, 1, 5)], "layer 0 announced before layer 1 runs"
+    sender.layer_done(1)
+    sender.layer_done(2)
+    sender.end_step()
+    assert len(sent_of(channel, messages.Announce)) == LAYERS
+    assert sender.stats.announces_sent == LAYERS and sender.stats.writes_posted == 0
+    assert sender.stats.bytes_sent == LAYERS * LAYOUT.layers[0].block_bytes
+
+
+def test_pull_registration_mid_forward_announces_computed_layers_in_one_message():
+    sender, agent, channel = pull_sender()
+    sender.add_request("t", 32)
+    sender.begin_step([StepUpdate("t", [1, 2], 32)])
+    sender.layer_done(0)
+    sender.layer_done(1)
+    register(channel, "t", [5, 6])
+    sender.layer_done(2)
+    first, second = sent_of(channel, messages.Announce)
+    assert first.layers == [0, 1] and first.dst_block_ids == [5, 6]
+    assert second.layers == [2]
+
+
+def test_pull_hello_ack_carries_metadata_and_layout():
+    agent, channel = FakeAgent(), FakeChannel()
+    sender = KVSender(agent, channel, lease_s=5, direction=Direction.PULL)
+    hello = messages.Hello(agent_name="D", agent_metadata=b"m", layout=LAYOUT.model_dump())
+    channel.inbox.append(Inbound(PEER, hello))
+    sender.poll()
+    (ack,) = sent_of(channel, messages.HelloAck)
+    assert ack.direction == "pull" and ack.agent_metadata == b"meta"
+    assert ack.layout == LAYOUT.model_dump(mode="json")
+    push = KVSender(agent, channel, lease_s=5)
+    channel.inbox.append(Inbound(PEER, hello))
+    push.poll()
+    assert sent_of(channel, messages.HelloAck)[-1].direction is None
+
+
+def pulled_prefill(sender, channel, tid="t"):
+    sender.add_request(tid, 32)
+    register(channel, tid, [5, 6])
+    run_prefill(sender, tid, [1, 2], [32])
+    sender.finish_request(tid)
+    sender.poll()
+    assert sent_of(channel, messages.Done)
+
+
+def test_pull_without_pulled_frees_after_the_lease():
+    """D died mid-pull (no PULLED ever comes): P frees a lease after DONE."""
+    sender, agent, channel = pull_sender(lease_s=5)
+    pulled_prefill(sender, channel)
+    released = set()
+    for _ in range(8):
+        released |= sender.poll()
+    assert released == {"t"}
+    assert sender.stats.lease_expiries == 1 and agent.holds == 0
+    assert isinstance(channel.sent[-1][1], messages.Abort)
+
+
+def test_pull_abort_from_the_receiver_is_acknowledged_and_frees():
+    sender, agent, channel = pull_sender()
+    pulled_prefill(sender, channel)
+    channel.inbox.append(Inbound(PEER, messages.Abort(transfer_id="t", reason="READ failed")))
+    assert sender.poll() == {"t"}
+    assert isinstance(channel.sent[-1][1], messages.AbortAck)
+    assert agent.holds == 0
+
+
+def test_pull_pulled_from_another_peer_or_before_done_is_ignored():
+    sender, agent, channel = pull_sender()
+    sender.add_request("t", 32)
+    register(channel, "t", [5, 6])
+    run_prefill(sender, "t", [1, 2], [16])  # half: no DONE yet
+    channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="t")))
+    other = PeerRef(inbound=b"mallory")
+    channel.inbox.append(Inbound(other, messages.Pulled(transfer_id="t")))
+    sender.poll()
+    assert sender.state_of("t") is TransferState.STREAMING
+
+
+def test_pull_first_token_waits_for_the_engine():
+    sender, agent, channel = pull_sender()
+    sender.add_request("t", 20)
+    register_for_first_token(channel, "t", [7, 8])
+    run_prefill(sender, "t", [1, 2], [20])
+    sender.poll()
+    assert not sent_of(channel, messages.Done)
+    sender.finish_request("t", first_token=42)
+    sender.poll()
+    (done,) = sent_of(channel, messages.Done)
+    assert done.first_token == 42
+
+
+def test_pull_refuses_aux_layers():
+    aux = kv_layout_from_tensors([torch.zeros(2, NUM_BLOCKS, 1, B, 4)] * 2, NUM_BLOCKS, B)
+    agent = FakeAgent()
+    agent.layout = aux.model_copy(update={"aux_layers": 1})
+    with pytest.raises(ValueError, match="aux"):
+        KVSender(agent, FakeChannel(), lease_s=1, direction=Direction.PULL)
+
+
+# -- pull: the decode side ----------------------------------------------------------------------
+
+
+def pull_receiver(**kw):
+    receiver, agent, channel = make_receiver(**kw)
+    agent.peer_name = "P"
+    ack = messages.HelloAck(
+        agent_name="P", direction="pull", agent_metadata=b"p-meta", layout=LAYOUT.model_dump()
+    )
+    return receiver, agent, channel, ack
+
+
+def announce(channel, tid, layers, src, dst, peer=P_ADDR):
+    message = messages.Announce(
+        transfer_id=tid, layers=layers, src_block_ids=src, dst_block_ids=dst
+    )
+    channel.inbox.append(Inbound(peer, message))
+
+
+def pull_done(channel, tid, num_blocks, first_token=None, peer=P_ADDR):
+    done = messages.Done(
+        transfer_id=tid, num_blocks=num_blocks, prefill_end_wall=0.0, first_token=first_token
+    )
+    channel.inbox.append(Inbound(peer, done))
+
+
+def test_receiver_pulls_announced_blocks_and_completes_after_its_reads():
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4, 5], 0, first_token=True)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    for layer in range(LAYERS):
+        announce(channel, "t", [layer], [10, 11], [4, 5])
+    assert receiver.poll() == {}
+    assert agent.peers_added == [b"p-meta"]
+    assert [h.op for h in agent.posted] == ["READ"] * LAYERS
+    # READ copies are (layer, local = our block, remote = P's block)
+    assert sorted(c for h in agent.posted for c in h.copies) == sorted(
+        (layer, d, s) for layer in range(LAYERS) for s, d in [(10, 4), (11, 5)]
+    )
+    pull_done(channel, "t", 2, first_token=9)
+    assert receiver.poll() == {}, "DONE is there, but a READ is still in flight"
+    assert not sent_of(channel, messages.Pulled)
+    complete_all(agent)
+    outcome = receiver.poll()["t"]
+    assert outcome.ok and outcome.first_token == 9
+    assert [m.transfer_id for m in sent_of(channel, messages.Pulled)] == ["t"]
+    assert receiver.stats.reads_posted == LAYERS
+
+
+@pytest.mark.parametrize(
+    ("layers", "src", "dst", "why"),
+    [
+        ([0], [1], [6], "did not register"),
+        ([0], [NUM_BLOCKS], [4], "outside the cache"),
+        ([0], [1, 2], [4], "source blocks"),
+        ([LAYERS], [1], [4], "layer outside"),
+        ([0, 0], [1], [4], "duplicate"),
+    ],
+)
+def test_receiver_refuses_an_invalid_announce(layers, src, dst, why):
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4, 5], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    announce(channel, "t", layers, src, dst)
+    settled = receiver.poll()
+    assert agent.posted == [] and settled == {}
+    (abort,) = sent_of(channel, messages.Abort)
+    assert why in abort.reason
+    channel.inbox.append(Inbound(P_ADDR, messages.AbortAck(transfer_id="t")))
+    outcome = receiver.poll()["t"]
+    assert not outcome.ok and why in outcome.reason
+
+
+def test_receiver_refuses_a_block_announced_twice_and_an_early_done():
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("a", "127.0.0.1", 1, [4], 0)
+    receiver.expect("b", "127.0.0.1", 1, [5], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    announce(channel, "a", [0], [1], [4])
+    announce(channel, "a", [0], [2], [4])
+    announce(channel, "b", [0], [3], [5])
+    pull_done(channel, "b", 1)  # layers 1.. never announced
+    receiver.poll()
+    reasons = {m.transfer_id: m.reason for m in sent_of(channel, messages.Abort)}
+    assert "announced twice" in reasons["a"] and "before every" in reasons["b"]
+
+
+def test_receiver_read_failure_fails_the_load_once_no_read_is_in_flight():
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4, 5], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    announce(channel, "t", [0], [1], [4])
+    announce(channel, "t", [1], [1], [4])
+    receiver.poll()
+    agent.posted[0].state = "ERR"
+    assert receiver.poll() == {}
+    assert "READ" in sent_of(channel, messages.Abort)[0].reason
+    channel.inbox.append(Inbound(P_ADDR, messages.AbortAck(transfer_id="t")))
+    assert receiver.poll() == {}, "the other READ may still fill our blocks"
+    agent.posted[1].state = "DONE"
+    outcome = receiver.poll()["t"]
+    assert not outcome.ok and "READ" in outcome.reason
+
+
+def test_receiver_lost_prefill_side_settles_after_its_reads():
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    announce(channel, "t", [0], [1], [4])
+    receiver.poll()
+    channel.inbox.append(PeerLost(P_ADDR))
+    assert receiver.poll() == {}
+    agent.posted[0].state = "ERR"  # what NIXL reports once the peer is gone
+    outcome = receiver.poll()["t"]
+    assert not outcome.ok and "lost connection" in outcome.reason
+
+
+def test_receiver_refuses_pull_messages_from_a_pushing_sender():
+    receiver, agent, channel = make_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)
+    channel.inbox.append(Inbound(P_ADDR, messages.HelloAck(agent_name="P")))
+    announce(channel, "t", [0], [1], [4])
+    receiver.poll()
+    assert agent.posted == []
+    assert "did not offer pull" in sent_of(channel, messages.Abort)[0].reason
+
+
+def test_receiver_ignores_a_done_notification_for_a_pulled_transfer():
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    receiver.poll()
+    done = messages.Done(transfer_id="t", num_blocks=1, prefill_end_wall=0.0)
+    agent.notifs = {"P": [messages.encode(done)]}
+    assert receiver.poll() == {}
+    assert receiver.stats.messages_rejected == 1
+
+
+def test_pull_end_to_end_between_fake_sides_is_exactly_once():
+    """P's ANNOUNCEs fed to D: D READs each (layer, block) once, P frees on D's PULLED."""
+    sender, p_agent, p_channel = pull_sender()
+    receiver, d_agent, d_channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [9, 8, 7], 0)
+    d_channel.inbox.append(Inbound(P_ADDR, ack))
+    sender.add_request("t", 40)
+    register(p_channel, "t", [9, 8, 7])
+    for computed in (20, 40):
+        sender.begin_step([StepUpdate("t", [1, 2, 3], computed)])
+        for layer in range(LAYERS):
+            sender.layer_done(layer)
+            for _, message in p_channel.sent:
+                d_channel.inbox.append(Inbound(P_ADDR, message))
+            p_channel.sent.clear()
+            receiver.poll()
+            complete_all(d_agent)
+        sender.end_step()
+    sender.finish_request("t")
+    sender.poll()
+    for _, message in p_channel.sent:
+        d_channel.inbox.append(Inbound(P_ADDR, message))
+    outcome = receiver.poll()["t"]
+    assert outcome.ok
+    reads = sorted(c for h in d_agent.posted for c in h.copies)
+    assert reads == sorted(
+        (layer, d, s) for layer in range(LAYERS) for s, d in [(1, 9), (2, 8), (3, 7)]
+    )
+    (pulled,) = sent_of(d_channel, messages.Pulled)
+    p_channel.inbox.append(Inbound(PEER, pulled))
+    assert sender.poll() == {"t"}

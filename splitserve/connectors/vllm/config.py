@@ -6,7 +6,7 @@ key or a bad value stops start-up with an error that names it. Imports no vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,6 +40,11 @@ class SplitserveConnectorConfig(BaseModel):
     )
     abort_ack_timeout_s: float = Field(
         5.0, gt=0, description="after an ABORT, D waits this long for P's ABORT_ACK before freeing"
+    )
+    direction: Literal["auto", "push", "pull"] = Field(
+        "auto",
+        description="who copies the KV when this server is P: push (P WRITEs), pull (P "
+        "ANNOUNCEs, D READs) or auto (pull on host memory over UCX cma, else push)",
     )
     ucx_backend_params: dict[str, str] = Field(
         default_factory=dict, description="extra UCX backend init parameters for NIXL"

@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS: dict[str, str] = {
-    "bytes_sent": "Bytes of KV written to decode servers",
+    "bytes_sent": "Bytes of KV written to decode servers (push) or announced for them to read "
+    "(pull)",
     "writes_posted": "NIXL WRITE transfers posted (one per layer per step, or one bulk)",
     "transfers_completed": "Prefill-side transfers completed (DONE delivered)",
     "transfers_failed": "Prefill-side transfers failed (WRITE error, invalid registration)",
@@ -36,8 +37,14 @@ COUNTERS: dict[str, str] = {
     "loads_completed": "Decode-side loads completed",
     "loads_failed": "Decode-side loads failed (ABORT, timeout, prefill side lost)",
     "done_timeouts": "Decode-side loads that saw no DONE within done_timeout_s",
-    "post_seconds": "Seconds the prefill side spent posting KV WRITEs (over UCX cma the copy "
-    "itself runs in the post: the transfer's CPU cost on the prefill server)",
+    "post_seconds": "Seconds this server spent inside its transfer posts: as prefill side its "
+    "WRITEs (push; over UCX cma the copy itself runs in the post) or ANNOUNCEs (pull), as decode "
+    "side its READs (pull; over cma the copy, on the decode server)",
+    "announces_sent": "ANNOUNCE messages sent to decode servers (pull: one per layer per step, "
+    "or one bulk)",
+    "reads_posted": "NIXL READ transfers posted from prefill servers' memory (pull: one per "
+    "ANNOUNCE)",
+    "bytes_read": "Bytes of KV read from prefill servers (pull)",
 }
 HANDOFF = "exposed_handoff_s"
 

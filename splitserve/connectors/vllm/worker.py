@@ -131,7 +131,7 @@ class SplitserveWorker:
         self._layer_index = {name: i for i, name in enumerate(names)}
         layout = kv_layout_from_tensors(tensors, self.num_blocks, self.block_size)
         transport = strategy.transport_of()
-        direction = strategy.effective(transport, layout.memory)
+        direction = strategy.effective(transport, layout.memory, self.config.direction)
         preferred = strategy.choose(transport, layout.memory)
         name = f"splitserve-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = KVAgent(name, layout, backend_params=self.config.ucx_backend_params)
@@ -139,7 +139,9 @@ class SplitserveWorker:
         self.channel = SideChannel(
             self.config.side_channel_host, self.config.side_channel_port, key, name="splitserve-sc"
         )
-        self.sender = KVSender(self.agent, self.channel, lease_s=self.config.lease_s)
+        self.sender = KVSender(
+            self.agent, self.channel, lease_s=self.config.lease_s, direction=direction
+        )
         self.receiver = KVReceiver(
             self.agent,
             self.channel,
@@ -160,7 +162,7 @@ class SplitserveWorker:
             self.config.side_channel_port,
             transport,
             direction.value,
-            "" if direction is preferred else f" ({preferred.value} preferred, not built yet)",
+            "" if direction is preferred else f" (set by 'direction'; {preferred.value} preferred)",
         )
 
     # -- per step -----------------------------------------------------------------------------
@@ -296,7 +298,10 @@ class SplitserveWorker:
             "loads_completed": r.transfers_completed,
             "loads_failed": r.transfers_failed,
             "done_timeouts": r.done_timeouts,
-            "post_seconds": s.post_seconds,
+            "post_seconds": s.post_seconds + r.post_seconds,
+            "announces_sent": s.announces_sent,
+            "reads_posted": r.reads_posted,
+            "bytes_read": r.bytes_read,
         }
         data: dict[str, Any] = {}
         for name in COUNTERS:
