@@ -292,11 +292,18 @@ class Forwarder:
             resp.release()  # read to the end: back to the pool; cancelled: closed
 
     async def _open_decode(
-        self, d: Backend, path: str, payload: dict[str, Any], stream: bool, until: float
+        self,
+        d: Backend,
+        path: str,
+        payload: dict[str, Any],
+        stream: bool,
+        until: float,
+        watch: _PrefillWatch | None = None,
     ) -> tuple[UpstreamResponse, bytes]:
         """D's response with its first chunk (streaming) or its whole body (not), by loop time
-        ``until`` (else ``TimeoutError``)."""
-        resp = await self.client.post(d.url, path, jsonio.dumps(payload), until)
+        ``until`` (else ``TimeoutError``; ``_PrefillFailed`` when ``watch`` sees P fail)."""
+        on_response = None if watch is None else watch.attach
+        resp = await self.client.post(d.url, path, jsonio.dumps(payload), until, on_response)
         try:
             if resp.status != 200 or not stream:
                 return resp, await resp.read()
@@ -322,28 +329,23 @@ class Forwarder:
         gauge = self.metrics.of(self.metrics.in_flight, *d.labels)
         gauge.inc()
         resp: UpstreamResponse | None = None
-        # Phase 1: until D's first byte, nothing is committed and P is watched.
+        # Phase 1: until D's first byte, nothing is committed and P is watched: a failing P
+        # fails D's wait at once (no task for D: the watch is a callback on P's task).
         wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
         until = min(deadline, t0 + wait_s)
-        opening = self._open_decode(d, call.path, d_body, stream, until)
-        open_task: asyncio.Future[tuple[UpstreamResponse, bytes]] | None = None
+        watch = None if prefill is None else _PrefillWatch(loop)
+        if prefill is not None:
+            prefill[1].add_done_callback(watch)  # type: ignore[arg-type]
         try:
-            if prefill is not None:
-                p, p_task = prefill
-                open_task = loop.create_task(opening)
-                await _wait_any(until, open_task, p_task)
-                if p_task.done() and not open_task.done():
-                    exc = p_task.exception()
-                    if exc is not None:
-                        if isinstance(exc, ProxyError):
-                            raise self._prefill_retry(exc, p)
-                        raise exc
-                    p_done = loop.time()
             try:
-                if open_task is not None and open_task.done():
-                    resp, first = open_task.result()  # raises what awaiting it would
-                else:
-                    resp, first = await (open_task or opening)  # bounded by ``until``
+                resp, first = await self._open_decode(d, call.path, d_body, stream, until, watch)
+            except _PrefillFailed:
+                assert prefill is not None
+                p, p_task = prefill
+                exc = p_task.exception()
+                if isinstance(exc, ProxyError):
+                    raise self._prefill_retry(exc, p) from None
+                raise exc from None  # type: ignore[misc]
             except ProxyError:
                 raise
             except (TimeoutError, OSError) as e:
@@ -351,6 +353,12 @@ class Forwarder:
                 if err.connect_failed:
                     raise _Retry(err, d, "decode_connect") from None
                 raise err from None
+            finally:
+                if watch is not None:
+                    watch.active = False
+                    prefill[1].remove_done_callback(watch)  # type: ignore[index, arg-type]
+            if watch is not None and watch.done_at is not None:
+                p_done = watch.done_at
             if resp.status != 200:
                 raise UpstreamStatus(resp.status, first, pool=d.pool, server=d.url)
             t_first = loop.time()
@@ -383,12 +391,6 @@ class Forwarder:
                 logger.info("client went away mid-stream; closing %s", d.url)
             return out
         finally:
-            if open_task is not None and not open_task.done():
-                open_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await open_task
-            elif open_task is None:
-                opening.close()  # never awaited (P failed first): no warning, nothing to close
             if resp is not None:
                 resp.close()
             d.outstanding -= 1
@@ -432,6 +434,44 @@ class Forwarder:
                 if not chunk:
                     continue
             await out.write(chunk)
+
+
+class _PrefillFailed(Exception):
+    """P's task failed while D was being opened (the exception is the task's)."""
+
+
+class _PrefillWatch:
+    """A done-callback on P's task while the decode request is opened in the same task.
+
+    P failing fails D's wait at once (``UpstreamResponse.interrupt``), as awaiting both would,
+    without a task of its own for D; P succeeding records when (the handoff metric starts
+    there). ``active`` is cleared as soon as D's first byte is in: a callback the loop already
+    scheduled must not touch a response that is being relayed."""
+
+    __slots__ = ("loop", "active", "failed", "done_at", "response")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.active = True
+        self.failed = False
+        self.done_at: float | None = None
+        self.response: UpstreamResponse | None = None
+
+    def __call__(self, task: asyncio.Future[Any]) -> None:
+        if not self.active:
+            return
+        if task.cancelled() or task.exception() is None:
+            self.done_at = self.loop.time()
+            return
+        self.failed = True
+        if self.response is not None:
+            self.response.interrupt(_PrefillFailed())
+
+    def attach(self, response: UpstreamResponse) -> None:
+        """The upstream client made D's response (once per connection it tries)."""
+        self.response = response
+        if self.failed:
+            response.interrupt(_PrefillFailed())
 
 
 async def _wait_any(when: float, *futures: asyncio.Future[Any]) -> bool:

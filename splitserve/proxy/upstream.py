@@ -35,6 +35,7 @@ import asyncio
 import collections
 import logging
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -218,6 +219,12 @@ class UpstreamResponse:
                 return b"".join(parts)
             parts.append(chunk)
 
+    def interrupt(self, error: Exception) -> None:
+        """Fail every wait for this answer from now on with ``error`` (the caller then closes
+        it): e.g. the request it belongs to became pointless."""
+        if self._error is None:
+            self._fail(error)
+
     def release(self) -> None:
         """Done with the answer: the connection goes back to its pool when the answer was read
         to the end and both sides keep it alive, else it is closed."""
@@ -365,12 +372,18 @@ class UpstreamClient:
         return pool
 
     async def post(
-        self, origin: str, path: str, body: bytes, until: float | None = None
+        self,
+        origin: str,
+        path: str,
+        body: bytes,
+        until: float | None = None,
+        on_response: Callable[[UpstreamResponse], None] | None = None,
     ) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``origin + path``; returns once the status and headers
         arrived, ``TimeoutError`` if that is not before loop time ``until`` (the response keeps
-        ``until`` for its reads). The caller reads the body and then calls ``release()`` (or
-        ``close()``)."""
+        ``until`` for its reads). ``on_response`` gets each response object as it is made (a
+        second one when a stale connection is replaced), e.g. to ``interrupt`` it. The caller
+        reads the body and then calls ``release()`` (or ``close()``)."""
         pool = self._pool(origin)
         request = (
             b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -380,6 +393,8 @@ class UpstreamClient:
         conn = pool.take()
         if conn is not None:
             response = UpstreamResponse(until)
+            if on_response is not None:
+                on_response(response)
             try:
                 conn.send(request, response)
                 await response._headers()
@@ -395,6 +410,8 @@ class UpstreamClient:
                 raise
         conn = await pool.connect(until)
         response = UpstreamResponse(until)
+        if on_response is not None:
+            on_response(response)
         try:
             conn.send(request, response)
             await response._headers()

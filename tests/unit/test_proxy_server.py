@@ -275,6 +275,26 @@ async def test_prefill_5xx_retries_on_other_pair_with_new_transfer_id(fakes, pro
     assert 'splitserve_proxy_retries_total{reason="prefill_upstream_status"}' in metrics
 
 
+@pytest.mark.parametrize(
+    "flow", [{"flow": "concurrent", "first_token_from_prefill": False}, {"engine": "sglang"}]
+)
+async def test_prefill_failing_while_decode_waits_aborts_decode_and_retries(
+    fakes, proxies, flow: dict[str, Any]
+) -> None:
+    fakes["p1"].mode = "error500"
+    fakes["d1"].delay = 5.0  # D waits for KV that never comes: P's failure must end that wait
+    fakes["d2"].delay = 0.2
+    settings = pd(fakes, ["p1", "p2"], ["d1", "d2"], routing={"prefill": "round_robin"}, **flow)
+    settings["routing"]["decode"] = "round_robin"
+    proxy = await start_proxy(settings)
+    proxies.append(proxy)
+    status, answer = await post(proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200, answer
+    assert answer["served_by"] == "d2", "waited for D (it would answer) instead of P's failure"
+    await wait_for(lambda: fakes["d1"].cancelled == 1)  # D's request was closed: it aborts
+    assert len(fakes["p1"].bodies) == 1 and len(fakes["p2"].bodies) == 1
+
+
 async def test_all_prefill_fail_gives_502_with_upstream_body(fakes, proxies) -> None:
     fakes["p1"].mode = "error500"
     proxy = await start_proxy(pd(fakes, ["p1"], ["d1"]))
