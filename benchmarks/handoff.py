@@ -10,6 +10,10 @@ fresh random prompts per request (no prefix-cache hits), greedy, on one machine:
 - ``splitserve-first-token``: the same with ``first_token_from_prefill`` on: the proxy streams
   the token P sampled as soon as P answers, D loads every prompt token's KV and continues from
   it (its first step samples token 2);
+- ``splitserve-first-token-push``: the same flow on a second pair whose connectors set
+  ``"direction": "push"`` (P WRITEs every layer; on ``cma`` the pair above pulls: P announces,
+  D reads), started after the first pair in the same run; TTFT is compared with the first
+  pair's ``colocated`` rows (same core, same server settings);
 - ``splitserve-sequential``: SplitserveConnector behind the stock sequential flow (P first,
   then D; P writes everything once D registers);
 - ``nixl``: vLLM's stock ``NixlConnector`` (D pulls after P finished), sequential flow;
@@ -31,7 +35,11 @@ Each row is measured on NIXL's default path and, with ``--transports default tcp
   client waits beyond P's prefill; includes D's one-token forward);
 - ``exposed_s`` (splitserve only): from the end of P's last forward (all layers computed) to
   DONE seen at D, from the connector's own ``vllm:splitserve_exposed_handoff_seconds``
-  histogram (server timestamps).
+  histogram (server timestamps);
+- ``p_post_s`` / ``d_post_s`` (flows through the proxy): seconds P and D spent inside their
+  transfer posts for the request (``vllm:splitserve_post_seconds_total``): push, P's WRITEs
+  (over ``cma`` the copy, on P's core); pull, P's ANNOUNCE sends and D's READs (the copy, on
+  D's core).
 
 The summary adds, per length, TTFT relative to ``colocated`` and the gap beyond colocated's
 (one decode step), the figures the first-token flow's targets are stated in: TTFT within 2% of
@@ -133,16 +141,19 @@ def histogram(url: str, name: str) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- servers
 
 
-def splitserve_kv(side_port: int) -> dict:
+def splitserve_kv(side_port: int, direction: str = "auto") -> dict:
+    extra: dict[str, Any] = {
+        "side_channel_port": side_port,
+        # Generous deadlines: a loaded machine must show up as slow, not as failed loads.
+        "lease_s": 600,
+        "done_timeout_s": 900,
+    }
+    if direction != "auto":
+        extra["direction"] = direction
     return {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
-        # Generous deadlines: a loaded machine must show up as slow, not as failed loads.
-        "kv_connector_extra_config": {
-            "side_channel_port": side_port,
-            "lease_s": 600,
-            "done_timeout_s": 900,
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -168,6 +179,7 @@ def start_pair(
     env: dict,
     max_len: int = 8192,
     kv_gib: int = 4,
+    direction: str = "auto",
 ) -> dict:
     """P on core 0, D on core 1; returns urls and P's side channel port.
 
@@ -183,7 +195,7 @@ def start_pair(
     for role, core in (("p", 0), ("d", 1)):
         server_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
         if kind == "splitserve":
-            kv = splitserve_kv(side[core])
+            kv = splitserve_kv(side[core], direction)
         else:
             kv = nixl_kv(kind, role)
             server_env.update(
@@ -244,6 +256,7 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
     post = "vllm:splitserve_post_seconds_total"
     d_text, post_before = metrics_text(pair["d"]), sample_sum(metrics_text(pair["p"]), post)
     before, d_before = histogram_in(d_text, name), histogram_in(d_text, d_step)
+    d_post_before = sample_sum(d_text, post)
     p_before = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
     start = time.perf_counter()
     first, second = token_times(proxy_url, body)
@@ -252,6 +265,7 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
     d_text = metrics_text(pair["d"])
     after, d_after = histogram_in(d_text, name), histogram_in(d_text, d_step)
     p_post = sample_sum(metrics_text(pair["p"]), post) - post_before
+    d_post = sample_sum(d_text, post) - d_post_before
     exposed = (after[0] - before[0]) / max(after[1] - before[1], 1)
     prefill = p_after[0] - p_before[0]
     return {
@@ -261,6 +275,7 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
         "exposed_s": exposed,
         "d_step_s": d_after[0] - d_before[0],
         "p_post_s": p_post,
+        "d_post_s": d_post,
     }
 
 
@@ -315,7 +330,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (transport, contender, length), group in sorted(table.items()):
         entry = {"transport": transport, "contender": contender, "length": length}
-        for key in ("ttft_s", "gap_s", "after_p_s", "handoff_s", "exposed_s"):
+        keys = ("ttft_s", "gap_s", "after_p_s", "handoff_s", "exposed_s", "p_post_s", "d_post_s")
+        for key in keys:
             values = [r[key] for r in group if key in r]
             if values:
                 entry[key] = statistics.median(values)
@@ -454,8 +470,8 @@ def markdown(summary: list[dict]) -> str:
         "| transport | contender | prompt | TTFT ms | TTFT vs colocated | token 1 -> 2 ms | "
         "gap beyond colocated ms | gap beyond its own decode step ms | "
         "TTFT beyond P's answer ms | P answer -> D 1st token ms | "
-        "exposed (forward end -> DONE) ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "exposed (forward end -> DONE) ms | P's posts ms | D's posts ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
 
@@ -468,7 +484,7 @@ def markdown(summary: list[dict]) -> str:
             f"{ms('gap_s')} | {ms('gap_beyond_colocated_s')} | {ms('gap_beyond_step_s')} | "
             f"{ms('after_p_s')} | "
             f"{ms('handoff_s')} | "
-            f"{ms('exposed_s')} |"
+            f"{ms('exposed_s')} | {ms('p_post_s')} | {ms('d_post_s')} |"
         )
     return "\n".join(lines)
 
@@ -522,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             "colocated",
             "splitserve-concurrent",
             "splitserve-first-token",
+            "splitserve-first-token-push",
             "splitserve-sequential",
             "nixl",
             "nixl-push",
@@ -572,16 +589,35 @@ def main(argv: list[str] | None = None) -> int:
         }
         if ours & set(contenders):
             kinds.append("splitserve")
+        if "splitserve-first-token-push" in contenders:
+            kinds.append("splitserve-push")
         kinds += [k for k in ("nixl", "nixl-push") if k in contenders]
         for kind in kinds:
             group = ServerGroup(work / f"logs-{transport}-{kind}")
-            connector = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}.get(kind, kind)
+            connector = {
+                "nixl": "NixlConnector",
+                "nixl-push": "NixlPushConnector",
+                "splitserve-push": "splitserve",
+            }.get(kind, kind)
+            direction = "push" if kind == "splitserve-push" else "auto"
             proxies: list[BackgroundProxy] = []
             try:
                 pair = start_pair(
-                    group, f"{kind}-{transport}", model, connector, env, max_len, args.kv_cache_gib
+                    group,
+                    f"{kind}-{transport}",
+                    model,
+                    connector,
+                    env,
+                    max_len,
+                    args.kv_cache_gib,
+                    direction,
                 )
-                if kind == "splitserve":
+                if kind == "splitserve-push":
+                    first = start_proxy(pair, True, proxies)
+                    runs = {
+                        "splitserve-first-token-push": lambda p, b, u=first: run_proxied(p, b, u)
+                    }
+                elif kind == "splitserve":
                     plain, first = (start_proxy(pair, on, proxies) for on in (False, True))
                     runs = {
                         "colocated": run_colocated,
@@ -592,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     runs = {kind: lambda p, b: run_sequential(p, b, False)}
                 runs = {name: fn for name, fn in runs.items() if name in contenders}
-                run_sequential(pair, request_body(64, rng), kind == "splitserve")  # warm-up
+                run_sequential(pair, request_body(64, rng), connector == "splitserve")  # warm-up
                 for fn in runs.values():
                     fn(pair, request_body(64, rng))  # warm-up of each path
                 for length in args.lengths:
