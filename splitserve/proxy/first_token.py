@@ -45,7 +45,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamRe
     request, route, path, body = call.request, call.route, call.path, call.body
     stream, deadline, outcome, t_start = call.stream, call.deadline, call.outcome, call.t_start
 
-    loop = asyncio.get_running_loop()
+    loop = fw.loop
     side = p.settings
     p_body, d_body = dispatch.vllm_concurrent_requests(
         body,

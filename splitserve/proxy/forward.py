@@ -112,6 +112,10 @@ class Forwarder:
         self._idle_s = t.stream_idle_s
         self._mode = "sglang" if config.engine == "sglang" else f"vllm-{config.flow}"
         self._first_token = bool(config.first_token_from_prefill)
+        # The loop this forwarder serves on, kept: on Python 3.11 each
+        # ``asyncio.get_running_loop()`` is a getpid() system call (fork detection), and the
+        # hot path asked for it eight times per request.
+        self.loop = asyncio.get_running_loop()
 
     # ------------------------------------------------------------------ entry point
 
@@ -119,7 +123,7 @@ class Forwarder:
         self, request: Request, route: str, path: str, body: dict[str, Any], outcome: Outcome
     ) -> StreamResponse:
         """Serve one request; raises ``ProxyError`` for anything answered before streaming."""
-        t_start = asyncio.get_running_loop().time()
+        t_start = self.loop.time()
         call = Call(
             request,
             route,
@@ -173,7 +177,7 @@ class Forwarder:
             except dispatch.DispatchError as e:
                 raise UpstreamError(str(e), pool="prefill", server=p.url) from None
             logger.debug("transfer %s: P %s done, D %s", tid, p.url, d.url)
-            p_done = asyncio.get_running_loop().time()
+            p_done = self.loop.time()
             return await self._decode(call, d_body, d, None, p_done)
 
         if self._mode == "vllm-concurrent" and self._first_token and first_token_eligible(body):
@@ -192,7 +196,7 @@ class Forwarder:
             p_body, d_body = dispatch.sglang_requests(
                 body, ep.bootstrap_at, ep.bootstrap_port, dispatch.new_bootstrap_room()
             )
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         p_task = loop.create_task(self._prefill(p, path, p_body, deadline))
         served = False
         try:
@@ -246,7 +250,7 @@ class Forwarder:
         self, p: Backend, path: str, payload: dict[str, Any], deadline: float
     ) -> dict[str, Any]:
         """P's whole (one-token) answer as JSON; raises a ``ProxyError``."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         t0 = loop.time()
         p.outstanding += 1
         gauge = self.metrics.of(self.metrics.in_flight, *p.labels)
@@ -323,7 +327,7 @@ class Forwarder:
         p_done: float | None,
     ) -> StreamResponse:
         route, stream, deadline, outcome = call.route, call.stream, call.deadline, call.outcome
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         t0 = loop.time()
         d.outstanding += 1
         gauge = self.metrics.of(self.metrics.in_flight, *d.labels)
@@ -412,7 +416,7 @@ class Forwarder:
         upstream failure ends the client's stream with an SSE ``error`` event (the status line
         is already sent, so the status cannot change any more).
         """
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         idle = self._idle_s
         while True:
             try:
@@ -482,7 +486,7 @@ async def _wait_any(when: float, *futures: asyncio.Future[Any]) -> bool:
     proxy's CPU per request in the concurrent flows)."""
     if any(f.done() for f in futures):
         return True
-    loop = asyncio.get_running_loop()
+    loop = futures[0].get_loop()
     waiter: asyncio.Future[bool] = loop.create_future()
 
     def wake(_: object, result: bool = True) -> None:

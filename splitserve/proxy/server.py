@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import threading
@@ -165,12 +166,12 @@ def _generation_handler(
 
     async def handler(request: Request) -> Response | StreamResponse:
         outcome = Outcome(status=500)
-        loop = asyncio.get_running_loop()
+        assert state.forwarder is not None
+        loop = state.forwarder.loop  # not get_running_loop(): a getpid() call on 3.11
         t0 = loop.time()
         try:
             body = validation.parse_json_object(request.body)
             check(body)
-            assert state.forwarder is not None
             return await state.forwarder.handle(request, route, path, body, outcome)
         except ProxyError as e:
             outcome.status = e.status
@@ -305,12 +306,30 @@ class ProxyServer:
             await self.state.close()
 
 
+def _settle_heap() -> None:
+    """Keep the garbage collector off what start-up built (a serving process only).
+
+    Everything imported and built so far (aiohttp, pydantic, prometheus_client, the config) lives
+    as long as the process; left to the collector, every full collection walks all of it again,
+    a pause on the request path (``gc_collect_main`` was 4.6% of the proxy's CPU under load in a
+    native profile). ``gc.freeze()`` moves it to the permanent generation, as CPython's docs
+    advise for servers; what requests allocate is still collected. The youngest generation is
+    collected after 10,000 net allocations instead of 700: with many requests in flight, each
+    collection walks their live state whatever the threshold, so fewer collections cost less,
+    and cyclic garbage waits a little longer (requests make almost none)."""
+    gc.collect()
+    gc.freeze()
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, 10_000), middle, old)
+
+
 async def serve(
     config: ProxyConfig, started: Callable[[int], None] | None = None, reuse_port: bool = False
 ) -> None:
     """Run a proxy until cancelled. ``started`` gets the bound port (useful with port 0);
     ``reuse_port`` lets several worker processes listen on the same port."""
     proxy = await ProxyServer(config).start(reuse_port=reuse_port)
+    _settle_heap()
     try:
         if started is not None:
             assert proxy.port is not None

@@ -164,7 +164,8 @@ class UpstreamResponse:
     ``until``: loop time after which a wait for more of the answer raises ``TimeoutError``
     (None: no bound); the caller moves it between reads (e.g. a stream's idle timeout)."""
 
-    def __init__(self, until: float | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, until: float | None = None) -> None:
+        self._loop = loop
         self.until = until
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
@@ -268,7 +269,7 @@ class UpstreamResponse:
             w.set_result(None)
 
     async def _wait(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         waiter = self._waiter = loop.create_future()
         timer = None if self.until is None else loop.call_at(self.until, _expire, waiter)
         try:
@@ -360,6 +361,9 @@ class UpstreamClient:
     """Keep-alive HTTP/1.1 requests to a fixed set of origins (the configured servers)."""
 
     def __init__(self, connect_timeout_s: float, headers: dict[str, str] | None = None) -> None:
+        """Made on the loop it will serve (kept: each ``asyncio.get_running_loop()`` is a
+        getpid() system call on Python 3.11)."""
+        self._loop = asyncio.get_running_loop()
         self.connect_timeout_s = connect_timeout_s
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._extra = extra.encode("latin-1")
@@ -392,7 +396,7 @@ class UpstreamClient:
         ) + body
         conn = pool.take()
         if conn is not None:
-            response = UpstreamResponse(until)
+            response = UpstreamResponse(self._loop, until)
             if on_response is not None:
                 on_response(response)
             try:
@@ -409,7 +413,7 @@ class UpstreamClient:
                 response.close()
                 raise
         conn = await pool.connect(until)
-        response = UpstreamResponse(until)
+        response = UpstreamResponse(self._loop, until)
         if on_response is not None:
             on_response(response)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
@@ -16,6 +17,30 @@ BODY = {
     "stream": True,
     "stream_options": {"include_usage": True},
 }
+
+
+def test_ids_stay_unique_across_buffer_refills() -> None:
+    n = 3 * dispatch._RandomBytes._SIZE // 16  # several refills of the urandom buffer
+    ids = [dispatch.new_transfer_id() for _ in range(n)]
+    assert len(set(ids)) == n and all(len(t) == 32 for t in ids)
+    rooms = {dispatch.new_bootstrap_room() for _ in range(1000)}
+    assert len(rooms) == 1000 and all(0 <= r < 2**63 for r in rooms)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_forked_child_draws_other_ids_than_its_parent() -> None:
+    dispatch.new_transfer_id()  # the buffer is filled before the fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its next ids and leave at once
+        os.write(write, "".join(dispatch.new_transfer_id() for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 4096).decode()
+    os.close(read)
+    parent = "".join(dispatch.new_transfer_id() for _ in range(4))
+    assert child and child != parent
 
 
 def test_new_transfer_id_is_fresh_uuid4_hex() -> None:
