@@ -1,8 +1,8 @@
 """Proxy overhead: added latency and maximum throughput of disaggregating proxies over a direct
 connection, all on the same stub backends, in one run.
 
-Two fast stub OpenAI backends (aiohttp on uvloop; one process plays the prefill server, one the
-decode server) answer at once, so what is measured is the proxies' own cost. Contenders, each
+Two fast stub OpenAI backends (one process plays the prefill server, one the decode server)
+answer at once, so what is measured is the proxies' own cost. Contenders, each
 its own process, all on those two stubs, on loopback:
 
 - ``direct``: the client posts straight to the decode stub (one upstream request; the reference);
@@ -33,11 +33,19 @@ concurrency (at 64 and 256 every contender is saturated, so that is its maximum 
 CPU/request is the user+system CPU time of the contender's processes over the cell divided by
 the requests it served (warm-up included), the figure least disturbed by other work on the
 machine. A request that fails (not 200, an error, or over 60 s) is counted by reason, not timed.
-The load generator is an aiohttp client in this process: on a small machine every process shares
-the cores, so read ratios within one run, not absolute figures. Writes JSON
-(``--out``) and a PNG (``--plot``, matplotlib).
+On a small machine every process shares the cores, so read ratios within one run, not absolute
+figures. Writes JSON (``--out``) and a PNG (``--plot``, matplotlib).
 
-    python benchmarks/proxy_overhead.py --requests 1000 --concurrency 1 64 256 \\
+Load generator and stubs (``--load``, ``--stub-server``): ``wrk`` (Debian's ``wrk`` package;
+C, a few microseconds per request; ``--seconds`` per cell, split over the rounds; latency
+percentiles are wrk's per round, their median over the rounds reported) with stubs on
+splitserve's own HTTP server (``splitserve.proxy.http_server``), or the older pair, an aiohttp
+client in this process with aiohttp stubs. Why wrk is the default where installed: the aiohttp
+client and stubs spent about 220 us of CPU per proxied request against the proxies' 80 to 110,
+so on two cores every contender hit the harness's ceiling (all near 5,400 req/s at 64 clients)
+and "maximum requests/s" measured the harness, not the proxy.
+
+    python benchmarks/proxy_overhead.py --seconds 9 --concurrency 1 64 256 \\
         --out runs/proxy_overhead.json --plot docs/img/proxy_overhead.png
 """
 
@@ -48,6 +56,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -68,7 +77,8 @@ from aiohttp import web
 STREAM_CHUNKS = 8
 
 
-def stub_app() -> web.Application:
+def _stub_answers() -> tuple[bytes, bytes, list[bytes]]:
+    """P's one-token answer (with ``kv_transfer_params``), D's whole answer, D's SSE chunks."""
     answer_p = json.dumps(
         {
             "id": "p",
@@ -98,6 +108,11 @@ def stub_app() -> web.Application:
         + b"\n\n"
         for _ in range(STREAM_CHUNKS)
     ]
+    return answer_p, answer_d, chunks
+
+
+def stub_app() -> web.Application:
+    answer_p, answer_d, chunks = _stub_answers()
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -130,6 +145,62 @@ def stub_app() -> web.Application:
     app.router.add_get("/server_info", info)
     app.router.add_get("/model_info", info)
     return app
+
+
+def run_fast_stub(port: int) -> None:
+    """The same stub on splitserve's own HTTP server: a fraction of aiohttp's CPU per request, so
+    the proxies, not the stubs, decide the throughput."""
+    import uvloop
+
+    from splitserve.proxy.http_server import HTTPServer, Request, Response, StreamResponse
+
+    answer_p, answer_d, chunks = _stub_answers()
+
+    async def completions(request: Request) -> Response | StreamResponse:
+        body = json.loads(request.body)
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") or (
+            body.get("max_tokens") == 1 and "bootstrap_room" in body
+        ):
+            return Response(answer_p)
+        if not body.get("stream"):
+            return Response(answer_d)
+        out = StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for c in chunks:
+            await out.write(c)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    info = json.dumps(
+        {"model_path": "tiny", "tokenizer_path": "tiny", "is_generation": True, "dp_size": 1}
+    ).encode()
+
+    async def health(request: Request) -> Response:
+        return Response(b"ok", content_type="text/plain")
+
+    async def server_info(request: Request) -> Response:
+        return Response(info)
+
+    def error(status: int, message: str) -> Response:
+        return Response(json.dumps({"error": {"message": message}}).encode(), status)
+
+    async def main() -> None:
+        server = HTTPServer(
+            {
+                ("POST", "/v1/completions"): completions,
+                ("GET", "/health"): health,
+                ("GET", "/server_info"): server_info,
+                ("GET", "/model_info"): server_info,
+            },
+            error,
+            max_body_bytes=1 << 22,
+        )
+        await server.start("127.0.0.1", port, backlog=4096)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 def run_stub(port: int) -> None:
@@ -240,10 +311,7 @@ async def load(
 ) -> tuple[list[float], float, dict[str, int]]:
     """``requests`` requests by ``concurrency`` clients in a closed loop, after a warm-up:
     (latencies in seconds, wall time, failed requests by reason)."""
-    data = json.dumps({**BODY, "stream": stream}).encode()
-    if PROMPT_CHARS:
-        data = json.dumps({**BODY, "prompt": "hello " * (PROMPT_CHARS // 6), "stream": stream})
-        data = data.encode()
+    data = request_body(stream)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -309,6 +377,105 @@ def measure_cell(
         out[c.name]["failed"] = failed[c.name]
         if c.pid:
             out[c.name]["cpu_us_per_request"] = cpu[c.name] / sent[c.name] * 1e6
+    return out
+
+
+# ---------------------------------------------------------------------- wrk as load generator
+
+_WRK_SCRIPT = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [==[%s]==]
+"""
+_WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+
+
+def request_body(stream: bool) -> bytes:
+    body = {**BODY, "stream": stream}
+    if PROMPT_CHARS:
+        body["prompt"] = "hello " * (PROMPT_CHARS // 6)
+    return json.dumps(body).encode()
+
+
+def wrk_run(url: str, body: bytes, conc: int, seconds: float) -> dict[str, Any]:
+    """One wrk run: C connections in a closed loop for ``seconds``; wrk's own percentiles."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(_WRK_SCRIPT % body.decode())
+        script = f.name
+    try:
+        duration, timeout = f"{max(1, round(seconds))}s", f"{REQUEST_TIMEOUT_S:.0f}s"
+        cmd = ["wrk", "-t", "1", "-c", str(conc), "-d", duration, "--latency",
+               "--timeout", timeout, "-s", script, url]  # fmt: skip
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=seconds + REQUEST_TIMEOUT_S + 30
+        ).stdout
+    finally:
+        os.unlink(script)
+
+    def ms(pattern: str) -> float:
+        m = re.search(pattern + r"\s+([\d.]+)(us|ms|s|m)\b", out, re.M)
+        if m is None:
+            raise RuntimeError(f"wrk printed no {pattern!r}:\n{out}")
+        return float(m.group(1)) * _WRK_UNITS[m.group(2)]
+
+    done = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m)", out)
+    if done is None:
+        raise RuntimeError(f"wrk printed no request count:\n{out}")
+    requests, wall = int(done.group(1)), float(done.group(2)) * _WRK_UNITS[done.group(3)] / 1e3
+    failed: dict[str, int] = {}
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if bad:
+        failed["HTTP non-2xx"] = int(bad.group(1))
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if sock:
+        for kind, n in zip(("connect", "read", "write", "timeout"), sock.groups(), strict=True):
+            if int(n):
+                failed[f"socket {kind}"] = int(n)
+    return {
+        "p50_ms": ms(r"^\s+50%"),
+        "p99_ms": ms(r"^\s+99%"),
+        "mean_ms": ms(r"^\s+Latency"),
+        "requests": requests,
+        "ok": requests - failed.get("HTTP non-2xx", 0),
+        "wall_s": wall,
+        "failed": failed,
+    }
+
+
+def measure_cell_wrk(
+    contenders: list[Contender], stream: bool, conc: int, seconds: float, rounds: int
+) -> dict[str, dict[str, float]]:
+    """One cell with wrk: a 1 s warm-up per contender, then ``rounds`` rounds of
+    ``seconds / rounds`` each, the contenders' order rotating. p50 / p99: the median over the
+    rounds of wrk's per-round figure; req/s: successful requests over the timed seconds."""
+    body = request_body(stream)
+    per_round = max(1.0, seconds / rounds)
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    cpu = dict.fromkeys(runs, 0.0)
+    for c in contenders:
+        wrk_run(c.url + "/v1/completions", body, conc, 1)
+    for k in range(rounds):
+        for c in contenders[k % len(contenders) :] + contenders[: k % len(contenders)]:
+            cpu0 = tree_cpu_seconds(c.pid) if c.pid else 0.0
+            runs[c.name].append(wrk_run(c.url + "/v1/completions", body, conc, per_round))
+            if c.pid:
+                cpu[c.name] += tree_cpu_seconds(c.pid) - cpu0
+    out: dict[str, dict[str, Any]] = {}
+    for c in contenders:
+        rs = runs[c.name]
+        requests = sum(r["requests"] for r in rs)
+        failed: dict[str, int] = {}
+        for r in rs:
+            for why, n in r["failed"].items():
+                failed[why] = failed.get(why, 0) + n
+        out[c.name] = {
+            "p50_ms": statistics.median(r["p50_ms"] for r in rs),
+            "p99_ms": statistics.median(r["p99_ms"] for r in rs),
+            "mean_ms": statistics.fmean(r["mean_ms"] for r in rs),
+            "rps": sum(r["ok"] for r in rs) / sum(r["wall_s"] for r in rs),
+            "failed": failed,
+        }
+        if c.pid:
+            out[c.name]["cpu_us_per_request"] = cpu[c.name] / max(1, requests) * 1e6
     return out
 
 
@@ -402,7 +569,7 @@ def export_revision(rev: str) -> Path:
 class Launcher:
     """Starts the stubs and the contenders; stops all of them on exit."""
 
-    def __init__(self, proxy_workers: int) -> None:
+    def __init__(self, proxy_workers: int, stub_server: str = "ours") -> None:
         self.py = sys.executable
         self.procs: list[subprocess.Popen[bytes]] = []
         self.workers = proxy_workers
@@ -410,7 +577,8 @@ class Launcher:
         self.stub_p, self.stub_d = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         # Two stub processes, P and D (SGLang's router refuses one URL in both roles).
         for port in (p_port, d_port):
-            self.spawn([self.py, __file__, "--stub", str(port)])
+            flag = "--fast-stub" if stub_server == "ours" else "--stub"
+            self.spawn([self.py, __file__, flag, str(port)])
         wait_http(self.stub_p + "/health")
         wait_http(self.stub_d + "/health")
 
@@ -558,8 +726,12 @@ def write_json(
     missing: list[str],
     load_before: tuple[float, float, float],
     load_after: tuple[float, float, float] | None,
+    load: str = "python",
+    stub_server: str = "aiohttp",
 ) -> dict[str, Any]:
     meta = {
+        "load_generator": load,
+        "stub_server": stub_server,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpus": os.cpu_count(),
         "loadavg_before": load_before,
@@ -601,12 +773,37 @@ def main() -> None:
         "--prompt-chars", type=int, default=0,
         help="prompt length in characters (default: 192); long prompts show the JSON cost",
     )  # fmt: skip
+    ap.add_argument(
+        "--load", choices=("auto", "wrk", "python"), default="auto",
+        help="load generator: wrk (default where installed) or this process's aiohttp client",
+    )  # fmt: skip
+    ap.add_argument(
+        "--seconds", type=float, default=6.0,
+        help="wrk: timed seconds per cell and contender, split over the rounds",
+    )  # fmt: skip
+    ap.add_argument(
+        "--stub-server", choices=("auto", "ours", "aiohttp"), default="auto",
+        help="stub backends on splitserve's HTTP server (default with wrk) or aiohttp's",
+    )  # fmt: skip
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fast-stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=3, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stub is not None:
         run_stub(args.stub)
         return
+    if args.fast_stub is not None:
+        run_fast_stub(args.fast_stub)
+        return
+    load = args.load
+    if load == "auto":
+        load = "wrk" if shutil.which("wrk") else "python"
+    elif load == "wrk" and not shutil.which("wrk"):
+        raise SystemExit("--load wrk: no wrk on PATH (Debian: apt-get install wrk)")
+    stub_server = args.stub_server
+    if stub_server == "auto":
+        stub_server = "ours" if load == "wrk" else "aiohttp"
+    print(f"load generator: {load}; stubs: {stub_server}", flush=True)
     if args.bare is not None:
         run_bare(int(args.bare[0]), args.bare[1], args.bare[2])
         return
@@ -618,7 +815,7 @@ def main() -> None:
         return args.only is None or name in args.only
 
     load_before = os.getloadavg()
-    launcher = Launcher(args.proxy_workers)
+    launcher = Launcher(args.proxy_workers, stub_server)
     missing: list[str] = []
     try:
         contenders = [Contender("direct", launcher.stub_d, None)]
@@ -664,9 +861,15 @@ def main() -> None:
         results: list[dict[str, Any]] = []
         for stream in (False, True):
             for conc in args.concurrency:
-                n = max(args.requests, 4 * conc)
-                row: dict[str, Any] = {"stream": stream, "concurrency": conc, "requests": n}
-                row.update(measure_cell(contenders, stream, conc, n, args.rounds))
+                row: dict[str, Any] = {"stream": stream, "concurrency": conc}
+                if load == "wrk":
+                    row["seconds"] = args.seconds
+                    row.update(
+                        measure_cell_wrk(contenders, stream, conc, args.seconds, args.rounds)
+                    )
+                else:
+                    n = row["requests"] = max(args.requests, 4 * conc)
+                    row.update(measure_cell(contenders, stream, conc, n, args.rounds))
                 d = row["direct"]
                 for name in names[1:]:
                     r = row[name]
@@ -675,7 +878,7 @@ def main() -> None:
                     r["rps_vs_direct"] = r["rps"] / d["rps"]
                 results.append(row)
                 if args.out:  # after every cell: a run cut short keeps what it measured
-                    write_json(args.out, results, missing, load_before, None)
+                    write_json(args.out, results, missing, load_before, None, load, stub_server)
                 parts = [f"stream={stream!s:5} c={conc:<4}"]
                 for name in names:
                     r = row[name]
@@ -694,11 +897,11 @@ def main() -> None:
     if missing:
         print("not installed here, not measured:", ", ".join(missing))
     if args.out:
-        write_json(args.out, results, missing, load_before, load_after)
+        write_json(args.out, results, missing, load_before, load_after, load, stub_server)
     if args.plot:
         title = (
             f"proxy overhead on stub backends, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
-            f"{os.cpu_count()} CPUs, "
+            f"{os.cpu_count()} CPUs, load generator {load}, stubs {stub_server}, "
             f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} (noisy: read ratios)"
         )
         if plot(results, names, args.plot, title):
