@@ -16,7 +16,11 @@ announced the blocks is computing; it then calls ``get_new_notifs`` every ``serv
 and keeps what it returns for ``notifications``. That interval is longer than the WRITE one
 because each round costs the computing thread on the same core (measured with a one-core
 compute loop: +5% at 1 ms, +1.8% at 5 ms, +0.8% at 20 ms), while the peer's READ has already
-copied its bytes at post and only waits for its completion to be reported. Every call into
+copied its bytes at post and only waits for its completion to be reported. An urgent hold
+(``hold_progress(urgent=True)``: the side computes no more for that transfer, D's last READs
+are on the critical path) rounds every ``progress_interval_s``; ``linger_progress(seconds)``
+keeps the slow rounds going a while after the last hold (a pull that ended without the peer
+saying its READs were done: they must still complete on its side). Every call into
 the NIXL agent holds one lock (the agent is made without NIXL's own thread safety).
 
 Invariants:
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -126,6 +131,8 @@ class KVAgent:
         self._serve_interval_s = serve_interval_s
         self._in_flight: dict[int, XferHandle] = {}  # id -> posted, not yet seen settled
         self._serving = 0  # holds by our users: peers pull from our memory, keep progressing
+        self._urgent = 0  # of which urgent: round as often as for in-flight transfers
+        self._linger_until = 0.0  # monotonic: serve until then without a hold
         self._notif_buffer: dict[str, list[bytes]] = {}  # read by the progress thread
         self._wake = threading.Condition(self._lock)
         self._closing = False
@@ -288,18 +295,29 @@ class KVAgent:
         for name, notifs in self._agent.get_new_notifs().items():
             self._notif_buffer.setdefault(name, []).extend(notifs)
 
-    def hold_progress(self) -> None:
-        """A peer may READ our memory now (pull): call into NIXL every progress interval until
-        the matching ``drop_progress``, so its READs complete while our thread computes."""
+    def hold_progress(self, urgent: bool = False) -> None:
+        """A peer may READ our memory now (pull): call into NIXL every ``serve_interval_s``
+        (``urgent``: every ``progress_interval_s``) until the matching ``drop_progress``, so
+        its READs complete while our thread computes."""
         with self._lock:
             self._serving += 1
+            self._urgent += int(urgent)
             if self._progress_interval_s > 0:
                 self._start_progress()
                 self._wake.notify()
 
-    def drop_progress(self) -> None:
+    def linger_progress(self, seconds: float) -> None:
+        """Keep calling into NIXL (every ``serve_interval_s``) for ``seconds`` more."""
+        with self._lock:
+            self._linger_until = max(self._linger_until, time.monotonic() + seconds)
+            if self._progress_interval_s > 0:
+                self._start_progress()
+                self._wake.notify()
+
+    def drop_progress(self, urgent: bool = False) -> None:
         with self._lock:
             self._serving = max(0, self._serving - 1)
+            self._urgent = max(0, self._urgent - int(urgent))
 
     def _start_progress(self) -> None:
         """Start the progress thread (lock held); it sleeps while nothing is in flight."""
@@ -312,18 +330,20 @@ class KVAgent:
     def _progress_loop(self) -> None:
         with self._lock:
             while not self._closing:
-                if not self._in_flight and not self._serving:
+                lingering = time.monotonic() < self._linger_until
+                if not self._in_flight and not self._serving and not lingering:
                     self._wake.wait()
                     continue
                 for handle in list(self._in_flight.values()):
                     self._check_locked(handle)
-                if self._serving:
+                if self._serving or lingering:
                     try:
                         self._buffer_notifs_locked()
                     except Exception as exc:  # never let the progress thread die
                         logger.warning("NIXL progress (notifications) failed: %s", exc)
                 # Sleep with the lock released: the engine's thread posts and polls meanwhile.
-                interval = self._progress_interval_s if self._in_flight else self._serve_interval_s
+                fast = self._in_flight or self._urgent
+                interval = self._progress_interval_s if fast else self._serve_interval_s
                 self._wake.wait(interval)
 
     def close(self) -> None:

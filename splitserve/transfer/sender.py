@@ -30,8 +30,10 @@ ANNOUNCE of the same (layers, P blocks, D blocks) on the side channel instead, a
 DONE then goes on the side channel after the last ANNOUNCE (same socket: in order), and the
 transfer completes only when D answers PULLED (every READ of it done): only then may P free.
 While a pull is open the agent's progress thread calls into NIXL (``hold_progress``), so D's
-READs complete while this thread computes. No PULLED within ``lease_s`` of DONE (D died):
-EXPIRED, freed. The HELLO_ACK carries P's agent metadata and layout for D to read from.
+READs complete while this thread computes; every 20 ms while the request computes, every 1 ms
+once all is announced (FLUSHING: D's last READs are then what D waits for). No PULLED within
+``lease_s`` of DONE (D died): EXPIRED, freed. The HELLO_ACK carries P's agent metadata and
+layout for D to read from.
 
 Aux rows (layouts with ``aux_layers``, e.g. SGLang's metadata buffers): the request's row
 (``add_request(..., aux_row=)``) is written into D's row (``Register.aux_row``) by the final
@@ -118,6 +120,7 @@ class _Outgoing:
     registration: messages.Register | None = None
     done_sent: bool = False  # pull: DONE went out, waiting for D's PULLED
     holds_progress: bool = False  # pull: the agent keeps progressing for D's READs
+    holds_urgent: bool = False  # ... at the fast rate (everything announced)
 
     @property
     def end(self) -> int:
@@ -282,6 +285,8 @@ class KVSender:
         now = self.clock()
         for out in list(self._transfers.values()):
             self._settle_handles(out)
+            if out.holds_progress and out.record.state is S.FLUSHING:
+                self._hold_progress(out, urgent=True)
             idle = not out.handles and out.carrier is None and not out.done_sent
             if out.record.state is S.FLUSHING and idle:
                 aux_ready = out.dst_aux_row is None or out.request_finished
@@ -311,9 +316,11 @@ class KVSender:
                 continue
             self._notify_peer_of_end(out)
             if out.request_finished:
-                if out.holds_progress:
-                    out.holds_progress = False
-                    self.agent.drop_progress()
+                if out.holds_progress and out.record.state is not S.COMPLETED:
+                    # D may still have READs of these blocks in flight (it aborted, or we
+                    # failed): they complete only while we call into NIXL.
+                    self.agent.linger_progress(self.lease_s)
+                self._hold_progress(out, None)
                 released[tid] = out.record
                 del self._transfers[tid]
         return released
@@ -382,8 +389,7 @@ class KVSender:
             self._fail(out, f"ANNOUNCE not sent: {exc}")
             return
         if not out.holds_progress:
-            out.holds_progress = True
-            self.agent.hold_progress()
+            self._hold_progress(out, urgent=False)
         announce = messages.Announce(
             transfer_id=out.record.transfer_id,
             layers=list(layers),
@@ -395,6 +401,16 @@ class KVSender:
         self.stats.post_seconds += time.perf_counter() - t0
         self.stats.announces_sent += 1
         self.stats.bytes_sent += len(src) * sum(self.layout.layers[i].block_bytes for i in layers)
+
+    def _hold_progress(self, out: _Outgoing, urgent: bool | None) -> None:
+        """Pull: hold the agent's progress for D's READs (``urgent``: at the fast rate), or
+        drop the hold (``None``)."""
+        if out.holds_progress and (urgent is None or urgent != out.holds_urgent):
+            self.agent.drop_progress(urgent=out.holds_urgent)
+            out.holds_progress = out.holds_urgent = False
+        if urgent is not None and not out.holds_progress:
+            self.agent.hold_progress(urgent=urgent)
+            out.holds_progress, out.holds_urgent = True, urgent
 
     def _send_done(self, out: _Outgoing) -> None:
         """Pull: DONE after the last ANNOUNCE (same socket, so D sees it after them); the

@@ -13,7 +13,9 @@ test_transfer_two_process.py prints it), a ZMQ round trip on loopback costs tens
 microseconds in any UCX error mode, while a NIXL notification costs milliseconds in UCX's
 ``peer`` error mode, the mode that reports a dead peer on WRITE. The per-layer data path needs
 no control message in the push strategy; DONE rides on the last WRITE as a NIXL notification so
-that it is ordered after the data.
+that it is ordered after the data. In the pull strategy the per-layer ANNOUNCEs, DONE and D's
+PULLED travel here: one ROUTER/DEALER connection delivers a peer's messages in order, so DONE
+arrives after the ANNOUNCEs it closes.
 
 Invariants:
 - Messages that fail authentication or validation never reach the caller: they are counted

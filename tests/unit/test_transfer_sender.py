@@ -46,6 +46,7 @@ class FakeAgent:
         self.peer_name = peer_name
         self.peers_added: list[bytes] = []
         self.holds = 0  # hold_progress minus drop_progress
+        self.urgent = 0  # of which urgent
 
     def add_peer(self, metadata, layout):
         self.peers_added.append(metadata)
@@ -59,11 +60,16 @@ class FakeAgent:
         self.posted.append(handle)
         return handle
 
-    def hold_progress(self):
+    def hold_progress(self, urgent=False):
         self.holds += 1
+        self.urgent += urgent
 
-    def drop_progress(self):
+    def linger_progress(self, seconds):
+        self.lingered = seconds
+
+    def drop_progress(self, urgent=False):
         self.holds -= 1
+        self.urgent -= urgent
 
     def check(self, handle):
         return handle.state
@@ -214,6 +220,7 @@ def test_every_needed_block_written_exactly_once(registration, num_tokens, direc
             assert len(dones) == 1 and dones[0].num_blocks == needed
             assert isinstance(channel.sent[-1][1], messages.Done), "DONE after every ANNOUNCE"
             assert agent.holds == 1, "P keeps NIXL progressing while D reads"
+            assert agent.urgent == 1, "at the fast rate once everything is announced"
             channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id=tid)))
             released |= sender.poll()
         else:
@@ -555,6 +562,7 @@ def test_pull_announces_per_layer_as_the_forward_runs():
     sender.end_step()
     assert len(sent_of(channel, messages.Announce)) == LAYERS
     assert sender.stats.announces_sent == LAYERS and sender.stats.writes_posted == 0
+    assert (agent.holds, agent.urgent) == (1, 0), "slow progress rounds while P computes"
     assert sender.stats.bytes_sent == LAYERS * LAYOUT.layers[0].block_bytes
 
 
@@ -614,6 +622,7 @@ def test_pull_abort_from_the_receiver_is_acknowledged_and_frees():
     assert sender.poll() == {"t"}
     assert isinstance(channel.sent[-1][1], messages.AbortAck)
     assert agent.holds == 0
+    assert agent.lingered == 10.0, "D's READs in flight still get our progress for a lease"
 
 
 def test_pull_pulled_from_another_peer_or_before_done_is_ignored():
