@@ -337,9 +337,10 @@ class Forwarder:
         # fails D's wait at once (no task for D: the watch is a callback on P's task).
         wait_s = self._first_byte_s if stream else self.config.timeouts.total_s
         until = min(deadline, t0 + wait_s)
-        watch = None if prefill is None else _PrefillWatch(loop)
+        watch: _PrefillWatch | None = None
         if prefill is not None:
-            prefill[1].add_done_callback(watch)  # type: ignore[arg-type]
+            watch = _PrefillWatch(loop)
+            prefill[1].add_done_callback(watch)
         try:
             try:
                 resp, first = await self._open_decode(d, call.path, d_body, stream, until, watch)
@@ -349,7 +350,8 @@ class Forwarder:
                 exc = p_task.exception()
                 if isinstance(exc, ProxyError):
                     raise self._prefill_retry(exc, p) from None
-                raise exc from None  # type: ignore[misc]
+                assert exc is not None  # the watch only fires on a failed task
+                raise exc from None
             except ProxyError:
                 raise
             except (TimeoutError, OSError) as e:
@@ -358,9 +360,9 @@ class Forwarder:
                     raise _Retry(err, d, "decode_connect") from None
                 raise err from None
             finally:
-                if watch is not None:
+                if prefill is not None and watch is not None:
                     watch.active = False
-                    prefill[1].remove_done_callback(watch)  # type: ignore[index, arg-type]
+                    prefill[1].remove_done_callback(watch)
             if watch is not None and watch.done_at is not None:
                 p_done = watch.done_at
             if resp.status != 200:

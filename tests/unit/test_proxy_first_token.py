@@ -130,7 +130,7 @@ async def stack(stub_settings):
             "flow": "concurrent",
             "prefill": [{"url": p.url, "side_channel_port": 7000}],
             "decode": [{"url": d.url}],
-            "health": {"interval_s": 0.1, "timeout_s": 1.0},
+            "health": {"interval_s": 0.1, "timeout_s": 10.0},  # no false ejection under load
         }
     )
     assert config.first_token_from_prefill is True, "on by default for the concurrent flow"

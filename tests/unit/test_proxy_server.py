@@ -155,7 +155,7 @@ def pd(fakes: dict[str, FakeEngine], p: list[str], d: list[str], **kw: Any) -> d
             for i, n in enumerate(p)
         ],
         "decode": [{"url": fakes[n].url} for n in d],
-        "health": {"interval_s": 0.1, "timeout_s": 1.0},
+        "health": {"interval_s": 0.1, "timeout_s": 10.0},  # no false ejection under load
         **kw,
     }
 
