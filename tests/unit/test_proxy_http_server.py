@@ -311,10 +311,7 @@ async def test_expect_100_continue_refused_when_too_large(served) -> None:
         (post("/echo", b"x" * 5000), 413, "5000 bytes exceeds the limit of 4096 bytes"),
         (
             b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + b"400\r\n"
-            + b"y" * 1024
-            + b"\r\n" * 1  # fmt: skip
-            + b"".join(b"400\r\n" + b"y" * 1024 + b"\r\n" for _ in range(5)),
+            + b"".join(b"400\r\n" + b"y" * 1024 + b"\r\n" for _ in range(6)),  # 6 KiB
             413,
             "exceeds the limit of 4096 bytes",
         ),
