@@ -36,6 +36,8 @@ Each row is measured on NIXL's default path and, with ``--transports default tcp
 - ``exposed_s`` (splitserve only): from the end of P's last forward (all layers computed) to
   DONE seen at D, from the connector's own ``vllm:splitserve_exposed_handoff_seconds``
   histogram (server timestamps);
+- ``on_first_token`` (flows through the proxy): 1 when D completed the load on the first token
+  P's engine relayed (``FIRST_TOKEN``), not on P's DONE (pull with the first-token flow);
 - ``p_post_s`` / ``d_post_s`` (flows through the proxy): seconds P and D spent inside their
   transfer posts for the request (``vllm:splitserve_post_seconds_total``): push, P's WRITEs
   (over ``cma`` the copy, on P's core); pull, P's ANNOUNCE sends and D's READs (the copy, on
@@ -254,9 +256,11 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
     d_step = "vllm:request_prefill_time_seconds"
     # P's time inside WRITE posts (over cma: the copy itself, on P's core).
     post = "vllm:splitserve_post_seconds_total"
+    # D's loads completed on P's relayed FIRST_TOKEN instead of its DONE (pull, first token).
+    early = "vllm:splitserve_loads_completed_on_first_token_total"
     d_text, post_before = metrics_text(pair["d"]), sample_sum(metrics_text(pair["p"]), post)
     before, d_before = histogram_in(d_text, name), histogram_in(d_text, d_step)
-    d_post_before = sample_sum(d_text, post)
+    d_post_before, early_before = sample_sum(d_text, post), sample_sum(d_text, early)
     p_before = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
     start = time.perf_counter()
     first, second = token_times(proxy_url, body)
@@ -276,6 +280,7 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
         "d_step_s": d_after[0] - d_before[0],
         "p_post_s": p_post,
         "d_post_s": d_post,
+        "on_first_token": sample_sum(d_text, early) - early_before,
     }
 
 
@@ -330,7 +335,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (transport, contender, length), group in sorted(table.items()):
         entry = {"transport": transport, "contender": contender, "length": length}
-        keys = ("ttft_s", "gap_s", "after_p_s", "handoff_s", "exposed_s", "p_post_s", "d_post_s")
+        keys = (
+            "ttft_s",
+            "gap_s",
+            "after_p_s",
+            "handoff_s",
+            "exposed_s",
+            "p_post_s",
+            "d_post_s",
+            "on_first_token",
+        )
         for key in keys:
             values = [r[key] for r in group if key in r]
             if values:

@@ -164,8 +164,26 @@ class Pulled(_Message):
     transfer_id: str
 
 
+class FirstToken(_Message):
+    """Pull strategy: the request's first output token, sent by P's engine the moment it sampled
+    it, to P's own side channel, whose I/O thread relays it at once to the D registered for the
+    transfer (``SideChannel.relay_first_token``). DONE carries the same token but waits for P's
+    next engine step (the engine tells its worker of a finished request only then); with this,
+    D completes a load as soon as every registered (layer, block) was announced and read and
+    the token is here, and a later DONE for it is ignored. Dropped by P's side channel when no
+    D registered for the transfer with ``Register.first_token``."""
+
+    type: Literal["first_token"] = "first_token"
+    transfer_id: str
+    token: int = Field(ge=0)
+    sampled_wall: float = Field(
+        description="P's wall clock (time.time()) when its engine saw the sampled token; D "
+        "measures the exposed handoff from it when it completes on this message"
+    )
+
+
 Message = Annotated[
-    Hello | HelloAck | Register | Done | Abort | AbortAck | Announce | Pulled,
+    Hello | HelloAck | Register | Done | Abort | AbortAck | Announce | Pulled | FirstToken,
     Field(discriminator="type"),
 ]
 _MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

@@ -10,7 +10,10 @@ sender's direction (strategy.py) rules, and it says which in its HELLO_ACK:
   against the blocks it registered for that transfer, each (layer, block) at most once) and
   posts one READ; its agent's progress thread drives it. DONE then comes on the side channel;
   the load completes when DONE arrived, every registered (layer, block) was announced and
-  every READ is done; D then sends PULLED so P may free.
+  every READ is done; D then sends PULLED so P may free. With the first token, P's engine's
+  FIRST_TOKEN (relayed by P's side channel as soon as the token is sampled) stands in for DONE
+  once every registered (layer, block) was announced: the load completes without waiting for
+  P's next engine step, and a DONE that arrives later is ignored.
 
     expect(tid, host, port, block_ids, token_offset, first_token=False, aux_row=None)
                                                        HELLO (first contact) + REGISTER to P;
@@ -71,6 +74,7 @@ class ReceiverStats:
     reads_posted: int = 0  # pull: one READ per ANNOUNCE
     bytes_read: int = 0
     post_seconds: float = 0.0  # pull: seconds inside READ posts (over cma: the copy, on D)
+    completed_on_first_token: int = 0  # pull: completed on P's FIRST_TOKEN, not its DONE
     handoffs_s: list[float] = field(default_factory=list)
 
 
@@ -85,6 +89,7 @@ class _Incoming:
     reads: list[XferHandle] = field(default_factory=list)  # pull: posted, not settled
     read_pairs: set[tuple[int, int]] = field(default_factory=set)  # (layer, our block) read
     done: messages.Done | None = None  # pull: P's DONE, completing once the READs are done
+    early_token: messages.FirstToken | None = None  # pull: P's engine's token, before DONE
     final: Outcome | None = None  # settled, given to the engine once no READ is in flight
 
 
@@ -111,6 +116,9 @@ class KVReceiver:
         self._sender_agents: dict[PeerRef, str] = {}
         self._pull_peers: dict[PeerRef, str] = {}  # P that announces -> its NIXL agent name
         self._settled: dict[str, Outcome] = {}
+        # pull: loads completed on P's FIRST_TOKEN, until P's DONE for them (if it was sent
+        # before our PULLED reached P) arrives and is ignored, or the bound passes
+        self._completed_early: dict[str, float] = {}
 
     def _peer(self, host: str, port: int) -> PeerRef:
         peer = PeerRef(host=host, port=int(port))
@@ -218,6 +226,9 @@ class KVReceiver:
                     self.abort_ack_timeout_s,
                 )
                 self._settle(inc, inc.outcome)
+        for tid, until in list(self._completed_early.items()):
+            if now >= until:
+                del self._completed_early[tid]
         settled, self._settled = self._settled, {}
         return settled
 
@@ -272,6 +283,9 @@ class KVReceiver:
             return
         if isinstance(message, messages.Done):
             self._on_pull_done(peer, message)
+            return
+        if isinstance(message, messages.FirstToken):
+            self._on_first_token(peer, message)
             return
         if isinstance(message, (messages.Abort, messages.AbortAck)):
             tid = message.transfer_id
@@ -406,8 +420,39 @@ class KVReceiver:
         inc.read_pairs |= pairs
         self.stats.reads_posted += 1
         self.stats.bytes_read += handle.num_bytes
+        self._complete_early(inc)
+
+    def _on_first_token(self, peer: PeerRef, message: messages.FirstToken) -> None:
+        inc = self._transfers.get(message.transfer_id)
+        if inc is None or inc.peer != peer or not inc.wants_token or peer not in self._pull_peers:
+            logger.debug("receiver: FIRST_TOKEN for %s ignored", message.transfer_id)
+            return
+        if inc.record.state is S.REGISTERED and inc.done is None:
+            inc.early_token = message
+            self._complete_early(inc)
+
+    def _complete_early(self, inc: _Incoming) -> None:
+        """Pull with the first token: once P's engine sent the token and every registered
+        (layer, block) was announced, DONE would tell us nothing more; complete (when the
+        READs are done) without waiting for it."""
+        token = inc.early_token
+        if token is None or inc.done is not None or inc.record.state is not S.REGISTERED:
+            return
+        if len(inc.read_pairs) != inc.num_blocks * self.agent.layout.num_kv_layers:
+            return
+        tid = inc.record.transfer_id
+        inc.done = messages.Done(
+            transfer_id=tid,
+            num_blocks=inc.num_blocks,
+            prefill_end_wall=token.sampled_wall,
+            first_token=token.token,
+        )
+        self._completed_early[tid] = self.clock() + self.done_timeout_s
+        self._progress_pull(inc)
 
     def _on_pull_done(self, peer: PeerRef, done: messages.Done) -> None:
+        if self._completed_early.pop(done.transfer_id, None) is not None:
+            return  # completed on P's FIRST_TOKEN; this DONE crossed our PULLED
         inc = self._pulled_transfer(peer, done)
         if inc is None:
             return
@@ -447,6 +492,8 @@ class KVReceiver:
             self.channel.send(inc.peer, messages.Pulled(transfer_id=tid))
             handoff = max(0.0, time.time() - inc.done.prefill_end_wall)
             token = inc.done.first_token if inc.wants_token else None
+            if tid in self._completed_early:
+                self.stats.completed_on_first_token += 1
             self._settle(inc, Outcome(True, exposed_handoff_s=handoff, first_token=token))
 
     def _fail_pull(self, inc: _Incoming, reason: str) -> None:

@@ -29,6 +29,9 @@ Pull (``direction=Direction.PULL``, strategy.py): every place that would post a 
 ANNOUNCE of the same (layers, P blocks, D blocks) on the side channel instead, and D READs them.
 DONE then goes on the side channel after the last ANNOUNCE (same socket: in order), and the
 transfer completes only when D answers PULLED (every READ of it done): only then may P free.
+A D that asked for the first token usually answers PULLED before DONE: the engine's
+FIRST_TOKEN reaches it through the side channel's relay (set up here at registration) as soon
+as the token is sampled, and D needs nothing more once every block is announced.
 While a pull is open the agent's progress thread calls into NIXL (``hold_progress``), so D's
 READs complete while this thread computes; every 20 ms while the request computes, every 1 ms
 once all is announced (FLUSHING: D's last READs are then what D waits for). No PULLED within
@@ -321,6 +324,8 @@ class KVSender:
                     # failed): they complete only while we call into NIXL.
                     self.agent.linger_progress(self.lease_s)
                 self._hold_progress(out, None)
+                if self.pull and out.wants_token:
+                    self.channel.relay_first_token(tid, None)
                 released[tid] = out.record
                 del self._transfers[tid]
         return released
@@ -428,7 +433,10 @@ class KVSender:
 
     def _on_pulled(self, peer: PeerRef, pulled: messages.Pulled) -> None:
         out = self._transfers.get(pulled.transfer_id)
-        if out is None or out.peer != peer or not out.done_sent:
+        # Before our DONE only when D had the first token from the engine's FIRST_TOKEN (and
+        # so needed no DONE): it completes once all is announced (FLUSHING) and read.
+        early = out is not None and out.wants_token and out.record.state is S.FLUSHING
+        if out is None or out.peer != peer or not (out.done_sent or early):
             logger.warning("sender: PULLED for %s from %s ignored", pulled.transfer_id, peer)
             return
         if out.record.state is S.FLUSHING:
@@ -572,6 +580,8 @@ class KVSender:
         out.dst_blocks = list(reg.block_ids[0]) if reg.block_ids else []
         out.sent_upto = out.first
         out.wants_token = bool(reg.first_token)
+        if self.pull and out.wants_token:  # the engine's FIRST_TOKEN goes straight to D
+            self.channel.relay_first_token(tid, peer)
         out.dst_aux_row = reg.aux_row
         out.registration = reg
         out.record.deadline = None

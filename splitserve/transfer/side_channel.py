@@ -17,6 +17,13 @@ that it is ordered after the data. In the pull strategy the per-layer ANNOUNCEs,
 PULLED travel here: one ROUTER/DEALER connection delivers a peer's messages in order, so DONE
 arrives after the ANNOUNCEs it closes.
 
+First-token relay: P's engine sends a ``FIRST_TOKEN`` to its own worker's bound socket right
+after sampling; the I/O thread forwards it, as received, to the receiver named for that transfer
+(``relay_first_token``, set by the sender when D registered), without waiting for the thread
+that owns the sender's state. Queued behind what that thread already sent, so it follows the
+transfer's ANNOUNCEs. A ``FIRST_TOKEN`` with no route is dropped (the engine sends one for every
+finished request; only D's asking for the token have a route).
+
 Invariants:
 - Messages that fail authentication or validation never reach the caller: they are counted
   in ``rejected`` and logged with the reason.
@@ -100,6 +107,10 @@ class SideChannel:
             else:
                 self.bound_port = self._router.bind_to_random_port(f"tcp://{bind_host}")
         self._dealers: dict[tuple[str, int], zmq.Socket] = {}
+        # transfer id -> receiver a FIRST_TOKEN is forwarded to (set/cleared by the sender's
+        # thread, read by the I/O thread: single dict operations, atomic under the GIL)
+        self._first_token_routes: dict[str, PeerRef] = {}
+        self.relayed = 0
         self._monitors: dict[zmq.Socket, PeerRef] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -112,6 +123,14 @@ class SideChannel:
         self._outbox.append((peer, messages.encode(message, self.auth_key)))
         with self._wake_lock:
             self._wake_send.send(b"", zmq.NOBLOCK)
+
+    def relay_first_token(self, transfer_id: str, peer: PeerRef | None) -> None:
+        """Forward ``FIRST_TOKEN`` messages for ``transfer_id`` that arrive on the bound socket
+        to ``peer`` from the I/O thread (``None``: stop; unknown ids are dropped)."""
+        if peer is None:
+            self._first_token_routes.pop(transfer_id, None)
+        else:
+            self._first_token_routes[transfer_id] = peer
 
     def receive_bound(self) -> list[Inbound]:
         """Messages from peers that contacted us (on the bound socket) since the last call."""
@@ -156,6 +175,12 @@ class SideChannel:
         except messages.MessageError as exc:
             self.rejected += 1
             logger.warning("side channel: rejected a message from %s: %s", peer, exc)
+            return
+        if isinstance(message, messages.FirstToken) and peer.inbound is not None:
+            route = self._first_token_routes.get(message.transfer_id)
+            if route is not None:  # in the outbox behind what the sender already queued
+                self._outbox.append((route, wire))
+                self.relayed += 1
             return
         inbox = self._inbox_bound if peer.inbound is not None else self._inbox_connected
         inbox.append(Inbound(peer, message))

@@ -174,3 +174,45 @@ def test_prefill_side_puts_the_sampled_token_in_produce_end():
     )
     (end,) = meta.produce_end
     assert end.first_token == 77 and end.cancel_reason is None
+
+
+def test_prefill_side_sends_the_token_to_its_own_side_channel_at_once():
+    """FIRST_TOKEN goes from the scheduler half to this server's side channel (a real one on
+    loopback here), which relays it to the D routed for the transfer: no engine step between."""
+    import time as _time
+
+    from splitserve.connectors.vllm.config import parse_connector_config
+    from splitserve.connectors.vllm.scheduler import SplitserveScheduler
+    from splitserve.transfer import messages
+    from splitserve.transfer.side_channel import Inbound, PeerRef, SideChannel
+
+    key = b"k"
+    worker = SideChannel("127.0.0.1", 0, key, name="test-worker")
+    d = SideChannel(None, None, key, name="test-d")
+    config = {"side_channel_port": worker.bound_port, "auth_key": "k"}
+    sched = SplitserveScheduler(parse_connector_config(config), 4)
+    try:
+        d.send(PeerRef(host="127.0.0.1", port=worker.bound_port), messages.Pulled(transfer_id="x"))
+        end = _time.monotonic() + 10
+        inbound: list = []
+        while not inbound and _time.monotonic() < end:
+            inbound = worker.receive_bound()
+            _time.sleep(0.005)
+        worker.relay_first_token("t", inbound[0].peer)
+        request = FakeRequest("p", [1, 2, 3], 1, {"do_remote_decode": True, "transfer_id": "t"})
+        sched.update_state_after_alloc(request, FakeBlocks([0]), 0)
+        request.output_token_ids = [77]
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        sched.request_finished(request)
+        got: list = []
+        while not got and _time.monotonic() < end:
+            got = [e for e in d.receive_connected() if isinstance(e, Inbound)]
+            _time.sleep(0.005)
+        assert got, "no FIRST_TOKEN relayed within 10 s"
+        message = got[0].message
+        assert isinstance(message, messages.FirstToken)
+        assert (message.transfer_id, message.token) == ("t", 77)
+    finally:
+        sched.shutdown()
+        worker.close()
+        d.close()

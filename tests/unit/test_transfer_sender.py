@@ -93,6 +93,7 @@ class FakeChannel:
     def __init__(self):
         self.inbox: list = []
         self.sent: list = []
+        self.routes: dict = {}  # FIRST_TOKEN relay: transfer id -> D
 
     def receive_bound(self):
         out = [e for e in self.inbox if isinstance(e, Inbound) and e.peer.inbound is not None]
@@ -106,6 +107,12 @@ class FakeChannel:
 
     def send(self, peer, message):
         self.sent.append((peer, message))
+
+    def relay_first_token(self, transfer_id, peer):
+        if peer is None:
+            self.routes.pop(transfer_id, None)
+        else:
+            self.routes[transfer_id] = peer
 
 
 def make_sender(lease_s=10.0, direction=Direction.PUSH):
@@ -827,3 +834,132 @@ def test_pull_end_to_end_between_fake_sides_is_exactly_once():
     (pulled,) = sent_of(d_channel, messages.Pulled)
     p_channel.inbox.append(Inbound(PEER, pulled))
     assert sender.poll() == {"t"}
+
+
+# -- pull: the first token straight from P's engine (FIRST_TOKEN) --------------------------------
+
+
+def first_token(channel, tid, token, peer=P_ADDR):
+    message = messages.FirstToken(transfer_id=tid, token=token, sampled_wall=0.0)
+    channel.inbox.append(Inbound(peer, message))
+
+
+def pull_receiver_for_first_token(blocks=(4, 5)):
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, list(blocks), 0, first_token=True)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    return receiver, agent, channel
+
+
+def test_pull_relay_route_to_d_while_a_first_token_transfer_lives():
+    sender, agent, channel = pull_sender()
+    sender.add_request("t", 20)
+    sender.add_request("plain", 20)
+    register_for_first_token(channel, "t", [7, 8])
+    register(channel, "plain", [9])
+    sender.poll()
+    assert channel.routes == {"t": PEER}, "only a D that asked for the token gets one"
+    run_prefill(sender, "t", [1, 2], [20])
+    channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="t")))
+    sender.finish_request("t", first_token=3)
+    assert sender.poll() == {"t"}
+    assert "t" not in channel.routes
+
+
+def test_pull_pulled_before_done_completes_a_first_token_transfer():
+    """D completed on FIRST_TOKEN: its PULLED comes before our DONE; we send no DONE and free
+    once the engine finished the request too."""
+    sender, agent, channel = pull_sender()
+    sender.add_request("t", 20)
+    register_for_first_token(channel, "t", [7, 8])
+    run_prefill(sender, "t", [1, 2], [20])
+    channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="t")))
+    assert sender.poll() == set(), "the engine still holds the request"
+    assert sender.state_of("t") is TransferState.COMPLETED
+    sender.finish_request("t", first_token=3)
+    assert sender.poll() == {"t"}
+    assert not sent_of(channel, messages.Done) and not sent_of(channel, messages.Abort)
+    assert sender.stats.transfers_completed == 1 and agent.holds == 0
+
+
+def test_pull_early_pulled_is_ignored_before_all_is_announced():
+    sender, agent, channel = pull_sender()
+    sender.add_request("half", 40)
+    register_for_first_token(channel, "half", [9, 10, 11])
+    run_prefill(sender, "half", [3, 4, 5], [20])
+    channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="half")))
+    sender.poll()
+    assert sender.state_of("half") is TransferState.STREAMING
+
+
+def test_receiver_completes_on_first_token_once_everything_is_announced_and_read():
+    receiver, agent, channel = pull_receiver_for_first_token()
+    for layer in range(LAYERS - 1):
+        announce(channel, "t", [layer], [10, 11], [4, 5])
+    first_token(channel, "t", 77)
+    complete_all(agent)
+    assert receiver.poll() == {}, "the last layer is not announced yet"
+    announce(channel, "t", [LAYERS - 1], [10, 11], [4, 5])
+    assert receiver.poll() == {}, "its READ is in flight"
+    complete_all(agent)
+    outcome = receiver.poll()["t"]
+    assert outcome.ok and outcome.first_token == 77
+    assert [m.transfer_id for m in sent_of(channel, messages.Pulled)] == ["t"]
+    pull_done(channel, "t", 2, first_token=77)  # P's DONE crossed our PULLED
+    assert receiver.poll() == {}
+    assert receiver.stats.messages_rejected == 0 and receiver.stats.transfers_completed == 1
+    assert receiver.stats.completed_on_first_token == 1
+    assert len(sent_of(channel, messages.Pulled)) == 1
+
+
+def test_receiver_ignores_first_token_for_a_transfer_that_did_not_ask_or_another_peer():
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)  # no first token asked
+    receiver.expect("u", "127.0.0.1", 1, [5], 0, first_token=True)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    for layer in range(LAYERS):
+        announce(channel, "t", [layer], [10], [4])
+        announce(channel, "u", [layer], [11], [5])
+    first_token(channel, "t", 1)
+    first_token(channel, "u", 2, peer=PeerRef(host="127.0.0.1", port=9))
+    receiver.poll()
+    complete_all(agent)
+    assert receiver.poll() == {}, "neither completes without DONE"
+    pull_done(channel, "t", 1)
+    pull_done(channel, "u", 1, first_token=2)
+    settled = receiver.poll()
+    assert settled["t"].ok and settled["t"].first_token is None
+    assert settled["u"].ok and settled["u"].first_token == 2
+
+
+def test_pull_end_to_end_with_first_token_needs_no_done():
+    """P's ANNOUNCEs and its engine's FIRST_TOKEN fed to D: D READs each (layer, block) once
+    and completes; P frees on PULLED having sent no DONE."""
+    sender, p_agent, p_channel = pull_sender()
+    receiver, d_agent, d_channel = pull_receiver_for_first_token([9, 8, 7])
+    sender.add_request("t", 40)
+    register_for_first_token(p_channel, "t", [9, 8, 7])
+    for computed in (20, 40):
+        sender.begin_step([StepUpdate("t", [1, 2, 3], computed)])
+        for layer in range(LAYERS):
+            sender.layer_done(layer)
+            for _, message in p_channel.sent:
+                d_channel.inbox.append(Inbound(P_ADDR, message))
+            p_channel.sent.clear()
+            receiver.poll()
+            complete_all(d_agent)
+        sender.end_step()
+        sender.poll()
+    assert p_channel.routes == {"t": PEER}
+    first_token(d_channel, "t", 5)  # what P's side channel relays
+    outcome = receiver.poll()["t"]
+    assert outcome.ok and outcome.first_token == 5
+    reads = sorted(c for h in d_agent.posted for c in h.copies)
+    assert reads == sorted(
+        (layer, d, s) for layer in range(LAYERS) for s, d in [(1, 9), (2, 8), (3, 7)]
+    )
+    (pulled,) = sent_of(d_channel, messages.Pulled)
+    p_channel.inbox.append(Inbound(PEER, pulled))
+    sender.finish_request("t", first_token=5)
+    assert sender.poll() == {"t"}
+    assert not sent_of(p_channel, messages.Done)

@@ -1,8 +1,10 @@
 """SplitserveConnector, scheduler half: bookkeeping in vLLM's engine-core process.
 
-No NIXL and no sockets here: this half decides, from each request's ``kv_transfer_params`` and
-the scheduler's state, what the worker half must do, and says it through one
-``SplitserveConnectorMetadata`` per step.
+No NIXL here: this half decides, from each request's ``kv_transfer_params`` and the scheduler's
+state, what the worker half must do, and says it through one ``SplitserveConnectorMetadata`` per
+step. Its one socket: P's first output tokens, sent as ``FIRST_TOKEN`` to this server's own side
+channel the moment the scheduler sees them (``request_finished``), which relays them to the D
+that asked; the metadata would bring them to the worker only with the next step.
 
 D (``do_remote_prefill``): ``get_num_new_matched_tokens`` answers "all prompt tokens but the
 last, minus my own prefix hit, loaded asynchronously"; ``update_state_after_alloc`` turns the
@@ -38,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from splitserve.connectors.vllm.config import SplitserveConnectorConfig
@@ -59,6 +62,8 @@ from splitserve.connectors.vllm.params import (
     receive_params,
     tokens_to_receive,
 )
+from splitserve.transfer.messages import FirstToken, key_bytes
+from splitserve.transfer.side_channel import PeerRef, SideChannel
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -90,6 +95,8 @@ class SplitserveScheduler:
         self._held: set[str] = set()  # req_ids whose blocks vLLM holds for us
         self._dropped: set[str] = set()  # preempted producers: their transfer was cancelled
         self._aborting: set[str] = set()  # D requests aborted while waiting, not yet released
+        self._relay: SideChannel | None = None  # P: FIRST_TOKEN to our own side channel
+        self._relay_peer: PeerRef | None = None
 
     # -- D side --------------------------------------------------------------------------------
 
@@ -256,6 +263,8 @@ class SplitserveScheduler:
             outputs = request.output_token_ids
             first_token = int(outputs[0]) if outputs else None
             self._meta.produce_end.append(ProduceEnd(req_id, tid, True, first_token=first_token))
+            if first_token is not None:
+                self._send_first_token(tid, first_token)
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -266,6 +275,26 @@ class SplitserveScheduler:
         reason = f"prefill request ended with status {request.status.name}"
         self._meta.produce_end.append(ProduceEnd(req_id, tid, True, reason))
         return True, None
+
+    def _send_first_token(self, transfer_id: str, token: int) -> None:
+        """To our own worker's side channel, which relays it to D if D asked for it."""
+        if self._relay is None:
+            host = self.config.side_channel_host
+            connect = "127.0.0.1" if host in ("0.0.0.0", "*", "") else host
+            self._relay_peer = PeerRef(host=connect, port=self.config.side_channel_port)
+            self._relay = SideChannel(
+                None, None, key_bytes(self.config.auth_key), name="splitserve-first-token"
+            )
+        self._relay.receive_connected()  # nothing answers; drop a PeerLost at shutdown
+        self._relay.send(
+            self._relay_peer,
+            FirstToken(transfer_id=transfer_id, token=token, sampled_wall=time.time()),
+        )
+
+    def shutdown(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta

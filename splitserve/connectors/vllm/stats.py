@@ -45,6 +45,10 @@ COUNTERS: dict[str, str] = {
     "reads_posted": "NIXL READ transfers posted from prefill servers' memory (pull: one per "
     "ANNOUNCE)",
     "bytes_read": "Bytes of KV read from prefill servers (pull)",
+    "first_tokens_relayed": "First output tokens this prefill server's side channel relayed "
+    "from its engine straight to a decode server (pull, first token from prefill)",
+    "loads_completed_on_first_token": "Decode-side loads completed on the prefill engine's "
+    "relayed first token, before (without) its DONE",
 }
 HANDOFF = "exposed_handoff_s"
 

@@ -302,6 +302,8 @@ class SplitserveWorker:
             "announces_sent": s.announces_sent,
             "reads_posted": r.reads_posted,
             "bytes_read": r.bytes_read,
+            "first_tokens_relayed": self.channel.relayed,
+            "loads_completed_on_first_token": r.completed_on_first_token,
         }
         data: dict[str, Any] = {}
         for name in COUNTERS:
