@@ -571,6 +571,15 @@ def test_pull_announces_per_layer_as_the_forward_runs():
     assert sender.stats.announces_sent == LAYERS and sender.stats.writes_posted == 0
     assert (agent.holds, agent.urgent) == (1, 0), "slow progress rounds while P computes"
     assert sender.stats.bytes_sent == LAYERS * LAYOUT.layers[0].block_bytes
+    sender.begin_step([StepUpdate("t", [1, 2, 3], 40)])
+    for layer in range(LAYERS):
+        sender.layer_done(layer)
+    sender.end_step()
+    sender.poll()
+    assert (agent.holds, agent.urgent) == (1, 1), "all announced: D's last READs wait for us"
+    channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="t")))
+    sender.finish_request("t")
+    assert sender.poll() == {"t"} and (agent.holds, agent.urgent) == (0, 0)
 
 
 def test_pull_registration_mid_forward_announces_computed_layers_in_one_message():
@@ -803,14 +812,9 @@ def test_receiver_ignores_a_done_notification_for_a_pulled_transfer():
     assert receiver.stats.messages_rejected == 1
 
 
-def test_pull_end_to_end_between_fake_sides_is_exactly_once():
-    """P's ANNOUNCEs fed to D: D READs each (layer, block) once, P frees on D's PULLED."""
-    sender, p_agent, p_channel = pull_sender()
-    receiver, d_agent, d_channel, ack = pull_receiver()
-    receiver.expect("t", "127.0.0.1", 1, [9, 8, 7], 0)
-    d_channel.inbox.append(Inbound(P_ADDR, ack))
-    sender.add_request("t", 40)
-    register(p_channel, "t", [9, 8, 7])
+def stream_to_receiver(sender, p_channel, receiver, d_channel, d_agent, poll_sender=False):
+    """Two steps of a 40-token prefill of "t" on P's blocks 1-3, each message P sends handed
+    to D as it goes out, D's READs completing at once."""
     for computed in (20, 40):
         sender.begin_step([StepUpdate("t", [1, 2, 3], computed)])
         for layer in range(LAYERS):
@@ -821,6 +825,19 @@ def test_pull_end_to_end_between_fake_sides_is_exactly_once():
             receiver.poll()
             complete_all(d_agent)
         sender.end_step()
+        if poll_sender:
+            sender.poll()
+
+
+def test_pull_end_to_end_between_fake_sides_is_exactly_once():
+    """P's ANNOUNCEs fed to D: D READs each (layer, block) once, P frees on D's PULLED."""
+    sender, p_agent, p_channel = pull_sender()
+    receiver, d_agent, d_channel, ack = pull_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [9, 8, 7], 0)
+    d_channel.inbox.append(Inbound(P_ADDR, ack))
+    sender.add_request("t", 40)
+    register(p_channel, "t", [9, 8, 7])
+    stream_to_receiver(sender, p_channel, receiver, d_channel, d_agent)
     sender.finish_request("t")
     sender.poll()
     for _, message in p_channel.sent:
@@ -939,17 +956,7 @@ def test_pull_end_to_end_with_first_token_needs_no_done():
     receiver, d_agent, d_channel = pull_receiver_for_first_token([9, 8, 7])
     sender.add_request("t", 40)
     register_for_first_token(p_channel, "t", [9, 8, 7])
-    for computed in (20, 40):
-        sender.begin_step([StepUpdate("t", [1, 2, 3], computed)])
-        for layer in range(LAYERS):
-            sender.layer_done(layer)
-            for _, message in p_channel.sent:
-                d_channel.inbox.append(Inbound(P_ADDR, message))
-            p_channel.sent.clear()
-            receiver.poll()
-            complete_all(d_agent)
-        sender.end_step()
-        sender.poll()
+    stream_to_receiver(sender, p_channel, receiver, d_channel, d_agent, poll_sender=True)
     assert p_channel.routes == {"t": PEER}
     first_token(d_channel, "t", 5)  # what P's side channel relays
     outcome = receiver.poll()["t"]
