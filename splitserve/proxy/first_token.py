@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from splitserve.proxy import dispatch, jsonio, stitch
 from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, UpstreamTimeout
-from splitserve.proxy.http_server import Response, StreamResponse
+from splitserve.proxy.http_server import SSE_HEADERS, Response, StreamResponse
 from splitserve.proxy.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from splitserve.proxy.routing import Backend
 
 logger = logging.getLogger(__name__)
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamResponse:
@@ -102,7 +101,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamRe
             outcome.status = 200
             if not stream:
                 return _json_answer(head.alone(answer))
-            out = StreamResponse(status=200, headers=_SSE_HEADERS)
+            out = StreamResponse(status=200, headers=SSE_HEADERS)
             with contextlib.suppress(ConnectionError):
                 await out.prepare(request)
                 await out.write(head.head_events(body, last=True))
@@ -131,7 +130,7 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamRe
             return _json_answer(merged)
 
         # Phase 2 (streaming): the first token goes out now; the answer is committed.
-        out = StreamResponse(status=200, headers=_SSE_HEADERS)
+        out = StreamResponse(status=200, headers=SSE_HEADERS)
         try:
             await out.prepare(request)
             await out.write(head.head_events(body, last=False))

@@ -44,7 +44,7 @@ from splitserve.proxy.errors import (
     UpstreamTimeout,
 )
 from splitserve.proxy.health import HealthTracker
-from splitserve.proxy.http_server import Request, Response, StreamResponse
+from splitserve.proxy.http_server import SSE_HEADERS, Request, Response, StreamResponse
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool, prompt_head
 from splitserve.proxy.stitch import first_token_eligible, max_new_tokens
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 # After D has answered, how long P's own (one-token) answer may still take to arrive.
 _PREFILL_GRACE_S = 10.0
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class _Retry(Exception):
@@ -381,7 +380,7 @@ class Forwarder:
                 self.metrics.of(self.metrics.ttft, route).observe(t_first - call.t_start)
                 outcome.status = 200
                 return Response(first)
-            out = StreamResponse(status=200, headers=_SSE_HEADERS)
+            out = StreamResponse(status=200, headers=SSE_HEADERS)
             try:
                 await out.prepare(call.request)
                 await out.write(first)

@@ -96,6 +96,10 @@ class Response:
         self.headers = {"Content-Type": content_type, **(headers or {})}
 
 
+# The headers of every Server-Sent-Events answer the proxy streams.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
 class StreamResponse:
     """An answer written as it is produced: ``prepare`` sends the head, ``write`` a piece of
     the body, ``write_eof`` the end. Chunked for HTTP/1.1 clients, close-delimited for 1.0."""
