@@ -62,9 +62,22 @@ class ConnectorSettings(_Strict):
     )
     settings: dict[str, Any] = Field(
         default_factory=dict,
-        description="kv_connector_extra_config for SplitserveConnector (the launcher sets "
-        "side_channel_host/port per server).",
+        description="kv_connector_extra_config of the connector: SplitserveConnector's keys "
+        "(the launcher sets side_channel_host/port per server), or for 'nixl' the stock "
+        "connector's own (e.g. kv_lease_duration: seconds P keeps a finished prefill's blocks "
+        "for D, 30 by default; a D that reads later gets whatever is there by then).",
     )
+
+    @model_validator(mode="after")
+    def _stock_lease(self) -> ConnectorSettings:
+        lease = self.settings.get("kv_lease_duration")
+        whole = isinstance(lease, int) and not isinstance(lease, bool)
+        if self.name == "nixl" and lease is not None and not (whole and lease >= 6):
+            raise ValueError(
+                f"settings.kv_lease_duration: whole seconds >= 6 for the stock "
+                f"NixlConnector (it heartbeats every lease/6 s), got {lease!r}"
+            )
+        return self
 
 
 class PoolSettings(_Strict):

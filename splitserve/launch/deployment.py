@@ -87,6 +87,8 @@ def _kv_transfer_config(
         cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         if dep.device == "cpu":
             cfg["kv_buffer_device"] = "cpu"
+        if dep.connector.settings:
+            cfg["kv_connector_extra_config"] = dict(dep.connector.settings)
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
         return cfg, env
     extra = {**dep.connector.settings, "side_channel_host": HOST, "side_channel_port": side_port}

@@ -3,6 +3,7 @@ right engine commands and proxy settings (pure: nothing is started)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,20 @@ def test_first_token_from_prefill_follows_the_flow_and_is_validated() -> None:
     assert proxy_config_for(stock, [None]).first_token_from_prefill is False
     with pytest.raises(DeploymentError, match="proxy.first_token_from_prefill"):
         parse_deployment(_minimal(proxy={"first_token_from_prefill": True}))
+
+
+def test_stock_connector_settings_reach_its_extra_config_and_the_lease_is_checked(tmp_path) -> None:
+    dep = parse_deployment(
+        _minimal(connector={"name": "nixl", "settings": {"kv_lease_duration": 120}})
+    )
+    (p0, d0) = plan_servers(dep, tmp_path)
+    kv = json.loads(p0.command.argv[p0.command.argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "NixlConnector"
+    assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 120}
+    plain = plan_servers(parse_deployment(_minimal()), tmp_path)[0].command.argv
+    assert "kv_connector_extra_config" not in plain[plain.index("--kv-transfer-config") + 1]
+    for bad in (0, 2.5, "30", True):
+        with pytest.raises(DeploymentError, match="kv_lease_duration"):
+            parse_deployment(
+                _minimal(connector={"name": "nixl", "settings": {"kv_lease_duration": bad}})
+            )
