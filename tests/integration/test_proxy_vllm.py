@@ -26,17 +26,13 @@ from splitserve.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.integration
 
-# The stock connector frees a finished prefill's blocks when its KV lease (30 s by default)
-# passes before D read them, and D then still uses what it reads ("Potentially invalid KV
-# blocks ... They may have expired" in P's log). On a loaded 2-core machine the niced pair
-# passed 30 s (a CI failure: two of four concurrent answers differed from the colocated ones),
-# so the lease here is generous; these tests are about the proxy, not the lease.
-NIXL = {
-    "kv_connector": "NixlConnector",
-    "kv_role": "kv_both",
-    "kv_buffer_device": "cpu",
-    "kv_connector_extra_config": {"kv_lease_duration": 600},
-}
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+# The stock connector frees a finished prefill's blocks when its KV lease (30 s) passes before D
+# read them, and D then still uses what it reads (docs/environment.md). On a loaded 2-core
+# machine the niced pair passed 30 s once (a CI failure: two of four concurrent answers
+# differed from the colocated ones). A longer lease (kv_lease_duration 600) made the pair much
+# slower here (the module took twice as long and failed otherwise), so the concurrent test runs
+# its round again when, and only when, the servers' logs say a lease expired.
 # What the stock connector logs when a lease expired or D read expired blocks.
 NIXL_EXPIRY_MARKS = ("Releasing expired KV blocks", "Potentially invalid KV blocks")
 # NixlConnector's NIXL progress thread holds a core even while idle: lower priority, so that the
@@ -199,9 +195,14 @@ def test_sequential_nixl_concurrent_clients(servers, nixl_pair, proxy) -> None:
         )
         return "".join(ch.choices[0].text for ch in stream if ch.choices)
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(one, prompts))
-    assert answers == refs, f"stock connector's lease log: {nixl_expiry_lines(servers)}"
+    for round_ in range(2):
+        expired_before = len(nixl_expiry_lines(servers))
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(one, prompts))
+        expired = nixl_expiry_lines(servers)[expired_before:]
+        if answers == refs or not expired or round_ == 1:
+            break
+    assert answers == refs, f"stock connector's lease log in the last round: {expired}"
 
 
 def test_metrics_models_and_ready(nixl_pair, proxy) -> None:
