@@ -81,7 +81,8 @@ class HealthTracker:
 
 
 class HealthChecker:
-    """Checks every server each ``interval_s`` (GET ``path``, 200 within ``timeout_s``)."""
+    """Checks every server ``interval_s`` after its previous check ended (GET ``path``, 200
+    within ``timeout_s``)."""
 
     def __init__(
         self,
@@ -112,10 +113,15 @@ class HealthChecker:
     async def check_all(self, decisive: bool = False) -> None:
         await asyncio.gather(*(self.check(b, decisive) for b in self.tracker.backends))
 
-    async def _run(self) -> None:
+    async def _watch(self, backend: Backend) -> None:
+        """One server's checks, on their own clock: a slow server (a check running up to
+        ``timeout_s``) never holds back the checks, and so the ejection, of another."""
         while True:
             await asyncio.sleep(self.tracker.settings.interval_s)
-            await self.check_all()
+            await self.check(backend)
+
+    async def _run(self) -> None:
+        await asyncio.gather(*(self._watch(b) for b in self.tracker.backends))
 
     def start(self) -> None:
         if self._task is None:

@@ -84,10 +84,12 @@ def proxy_config(prefill: list[str], decode: list[str], **kw):
             "port": 0,
             "prefill": [{"url": u} for u in prefill],
             "decode": [{"url": u} for u in decode],
-            "health": {"interval_s": 0.5, "timeout_s": 5},
-            # The stock-NIXL servers here run niced beside spinning engines: under a loaded
-            # machine a loopback connect to them was seen to pass the 5 s default (and fail a
-            # test about something else). Connect failures are tested with refused connects.
+            # The stock-NIXL servers here run niced beside spinning engines: under CI's load a
+            # loopback connect to them was seen to pass the 5 s default, and D's /health to
+            # take over 5 s twice in a row (its only D ejected, a 503 in a test about something
+            # else). Dead servers are tested with refused connects, which fail at once; the
+            # short interval is for the victim test's ejection after its kill.
+            "health": {"interval_s": 0.5, "timeout_s": 30, "failures_to_eject": 3},
             "timeouts": {"connect_s": 30},
             **kw,
         }

@@ -32,6 +32,7 @@ class FakeEngine:
         self.tokens = tokens
         self.delay = delay
         self.healthy = True
+        self.health_hangs = False
         self.bodies: list[dict[str, Any]] = []
         self.cancelled = 0
         self.finished = 0
@@ -51,6 +52,8 @@ class FakeEngine:
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_hangs:
+            await asyncio.sleep(3600)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -462,6 +465,22 @@ async def test_server_down_at_start_is_ejected_and_readmitted(fakes, proxies) ->
     async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
         text = await r.text()
     assert "splitserve_proxy_ejections_total" in text
+
+
+async def test_a_hanging_health_check_does_not_delay_another_servers_ejection(
+    fakes, proxies
+) -> None:
+    proxy = await start_proxy(
+        pd(fakes, ["p1"], ["d1", "d2"], health={"interval_s": 0.1, "timeout_s": 60.0})
+    )
+    proxies.append(proxy)
+    d1, d2 = proxy.state.decode.backends
+    fakes["d1"].health_hangs = True  # d1's next check runs until its 60 s timeout
+    fakes["d2"].healthy = False
+    await wait_for(lambda: not d2.healthy, timeout=30.0)  # one round at a time: >= 120 s
+    assert d1.healthy
+    fakes["d2"].healthy = True
+    await wait_for(lambda: d2.healthy, timeout=30.0)
 
 
 async def test_ready_and_health(fakes, proxies) -> None:
