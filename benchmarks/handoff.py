@@ -38,6 +38,10 @@ Each row is measured on NIXL's default path and, with ``--transports default tcp
   histogram (server timestamps);
 - ``on_first_token`` (flows through the proxy): 1 when D completed the load on the first token
   P's engine relayed (``FIRST_TOKEN``), not on P's DONE (pull with the first-token flow);
+- ``plain_fallback`` (flows through the proxy): 1 when the proxy served the request in the
+  plain flow after P's answer (first-token flow: P's token had no text of its own, or a stop
+  string could span the seam; ``splitserve_proxy_first_token_fallbacks_total``); the summary
+  counts them (``plain_fallbacks``);
 - ``p_post_s`` / ``d_post_s`` (flows through the proxy): seconds P and D spent inside their
   transfer posts for the request (``vllm:splitserve_post_seconds_total``): push, P's WRITEs
   (over ``cma`` the copy, on P's core); pull, P's ANNOUNCE sends and D's READs (the copy, on
@@ -261,10 +265,14 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
     d_text, post_before = metrics_text(pair["d"]), sample_sum(metrics_text(pair["p"]), post)
     before, d_before = histogram_in(d_text, name), histogram_in(d_text, d_step)
     d_post_before, early_before = sample_sum(d_text, post), sample_sum(d_text, early)
-    p_before = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
+    fallbacks = "splitserve_proxy_first_token_fallbacks_total"
+    proxy_text = metrics_text(proxy_url)
+    p_before = histogram_in(proxy_text, "splitserve_proxy_prefill_seconds")
+    fallbacks_before = sample_sum(proxy_text, fallbacks)
     start = time.perf_counter()
     first, second = token_times(proxy_url, body)
-    p_after = histogram(proxy_url, "splitserve_proxy_prefill_seconds")
+    proxy_text = metrics_text(proxy_url)
+    p_after = histogram_in(proxy_text, "splitserve_proxy_prefill_seconds")
     time.sleep(STATS_SETTLE_S)
     d_text = metrics_text(pair["d"])
     after, d_after = histogram_in(d_text, name), histogram_in(d_text, d_step)
@@ -281,6 +289,7 @@ def run_proxied(pair: dict, body: dict, proxy_url: str) -> dict:
         "p_post_s": p_post,
         "d_post_s": d_post,
         "on_first_token": sample_sum(d_text, early) - early_before,
+        "plain_fallback": sample_sum(proxy_text, fallbacks) - fallbacks_before,
     }
 
 
@@ -359,6 +368,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         ]
         if beyond:
             entry["gap_beyond_step_s"] = statistics.median(beyond)
+        if any("plain_fallback" in r for r in group):
+            entry["plain_fallbacks"] = int(sum(r.get("plain_fallback", 0) for r in group))
         out.append(entry)
     colocated = {(e["transport"], e["length"]): e for e in out if e["contender"] == "colocated"}
     for e in out:
@@ -484,8 +495,8 @@ def markdown(summary: list[dict]) -> str:
         "| transport | contender | prompt | TTFT ms | TTFT vs colocated | token 1 -> 2 ms | "
         "gap beyond colocated ms | gap beyond its own decode step ms | "
         "TTFT beyond P's answer ms | P answer -> D 1st token ms | "
-        "exposed (forward end -> DONE) ms | P's posts ms | D's posts ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "exposed (forward end -> DONE) ms | P's posts ms | D's posts ms | plain fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
 
@@ -498,7 +509,8 @@ def markdown(summary: list[dict]) -> str:
             f"{ms('gap_s')} | {ms('gap_beyond_colocated_s')} | {ms('gap_beyond_step_s')} | "
             f"{ms('after_p_s')} | "
             f"{ms('handoff_s')} | "
-            f"{ms('exposed_s')} | {ms('p_post_s')} | {ms('d_post_s')} |"
+            f"{ms('exposed_s')} | {ms('p_post_s')} | {ms('d_post_s')} | "
+            f"{e.get('plain_fallbacks', '-')} |"
         )
     return "\n".join(lines)
 

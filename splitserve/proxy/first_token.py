@@ -14,6 +14,11 @@ Invariants:
 - When the first token ends the request (P stopped, or one token was asked for), D's request
   is cancelled (closing its connection makes vLLM abort it; D's connector then releases P's
   blocks) and the client gets P's token alone.
+- A first token without text of its own (part of a split character), or a stop string that
+  may begin in its text and end in D's (``stitch.plain_flow_reason``): D's request is
+  cancelled and the request served in the plain concurrent flow (``TakePlainFlow``), where
+  D's engine sees every output token, as a colocated server's does. Nothing reached the
+  client before.
 - Streaming: once the first token is sent the answer is committed; a later failure of D ends
   the stream with an SSE ``error`` event, as any mid-stream failure.
 """
@@ -37,8 +42,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class TakePlainFlow(Exception):
+    """P answered, nothing reached the client, and this request must not continue from P's
+    token (``reason``): D's request is cancelled and the caller serves it in the plain
+    concurrent flow on the same pair (P's second prefill of the prompt hits its prefix cache)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamResponse:
-    """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing."""
+    """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing,
+    ``TakePlainFlow`` when the request must be served without P's token."""
     from splitserve.proxy.forward import _Retry, _wait_any, _within
 
     request, route, path, body = call.request, call.route, call.path, call.body
@@ -107,6 +123,10 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamRe
                 await out.write(head.head_events(body, last=True))
                 await out.write_eof()
             return out
+
+        plain_reason = stitch.plain_flow_reason(body, head.text)
+        if plain_reason is not None:
+            raise TakePlainFlow(plain_reason)
 
         if not stream:
             try:

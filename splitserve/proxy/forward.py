@@ -10,7 +10,8 @@ Flows:
   answer is awaited beside D's first byte so that a failing P is noticed while D waits for KV.
 - vLLM ``concurrent`` with ``first_token_from_prefill`` (``first_token.py``): the client's
   first token is P's, sent when P answers; D continues from it. A request for one token goes
-  to P alone.
+  to P alone; one whose stop string may span the seam (P's text ends with the start of one)
+  is served in the plain concurrent flow on the same pair after P answered.
 
 Invariants:
 - Nothing is sent to the client before D's first body byte (or D's full answer when not
@@ -183,7 +184,11 @@ class Forwarder:
             if max_new_tokens(body) == 1:
                 # One token is P's whole job: P serves it alone, as a colocated server.
                 return await self._decode(call, dispatch.colocated_request(body), p, None, None)
-            return await first_token.attempt(self, call, p, d)
+            try:
+                return await first_token.attempt(self, call, p, d)
+            except first_token.TakePlainFlow as fallback:
+                self.metrics.first_token_fallbacks.labels(fallback.reason).inc()
+                logger.debug("request served in the plain flow: %s", fallback.reason)
 
         if self._mode == "vllm-concurrent":
             side = p.settings

@@ -44,6 +44,11 @@ class ProxyMetrics:
             "splitserve_proxy_retries", "Attempts retried on another pair, by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.first_token_fallbacks = Counter(
+            "splitserve_proxy_first_token_fallbacks",
+            "Requests served in the plain flow after P's first token, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.ejections = Counter(
             "splitserve_proxy_ejections", "Servers taken out of rotation", ["pool", "server"],
             registry=r,

@@ -79,6 +79,45 @@ def max_new_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
+def stop_strings(body: dict[str, Any]) -> list[str]:
+    """The request's stop strings (``stop``: one string or a list), empty ones left out."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        return []
+    return [s for s in stop if isinstance(s, str) and s]
+
+
+def stop_may_span_seam(body: dict[str, Any], first_text: str) -> bool:
+    """True when a stop string could begin inside the first token's text and end in D's: the
+    text ends with a non-empty proper prefix of one. D checks stop strings on its own text
+    only, so such a match would go unseen; the proxy then serves the request in the plain
+    flow, where D's engine sees the whole output. A stop string within the first token's text
+    is P's (its answer says ``stop``); one within D's text is D's."""
+    for stop in stop_strings(body):
+        for k in range(1, min(len(stop), len(first_text) + 1)):
+            if first_text.endswith(stop[:k]):
+                return True
+    return False
+
+
+def plain_flow_reason(body: dict[str, Any], first_text: str) -> str | None:
+    """Why a request whose first token P answered must not continue from it on D, or None.
+
+    - ``empty_first_token_text``: the token has no text of its own, typically the first bytes
+      of a character split over several tokens (vLLM's detokenizer holds those back). D's
+      detokenizer never sees the token, so it would render D's first token without those
+      bytes (a U+FFFD where a colocated server prints the character).
+    - ``stop_string_at_seam``: see ``stop_may_span_seam``.
+    """
+    if first_text == "":
+        return "empty_first_token_text"
+    if stop_may_span_seam(body, first_text):
+        return "stop_string_at_seam"
+    return None
+
+
 def first_token_eligible(body: dict[str, Any]) -> bool:
     """True when ``body`` may be served with P's first token and D's continuation."""
     for key, value in body.items():

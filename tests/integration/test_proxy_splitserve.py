@@ -5,9 +5,10 @@ flow, with the official ``openai`` client; greedy output equals a colocated run.
 The concurrent proxy runs with ``first_token_from_prefill`` (its default): the client's first
 token is P's and D continues from it; the tests compare text, finish reasons and usage with a
 colocated server, for completions and chat, streamed and not, and the first token that ends the
-request (``max_tokens=1``, a stop token). Prompts are text, as clients send: the first-token
-flow's only documented difference is the text of a token at the seam when the prompt or the
-first token ends inside a multi-byte character (docs/proxy.md), which random token ids hit.
+request (``max_tokens=1``, a stop token), and a stop string across the seam. Prompts are
+text, as clients send: the first-token flow's only documented difference is the text of a token
+at the seam when a token-id prompt ends inside a multi-byte character (docs/proxy.md), which
+random token ids hit.
 
 Shares the connector tests' servers (the ``ss_pair`` fixture of tests/integration/conftest.py,
 keys ``ss-a`` / ``ss-b``). Only successful flows run here, so the connector tests' "no failed
@@ -233,6 +234,57 @@ def test_first_token_that_ends_the_request(ss_pair, concurrent_proxy) -> None:
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
     wait_kv_usage_zero(d_url)  # D's request was aborted: its blocks are free
     wait_kv_usage_zero(p_url)  # and P released the KV it held for D
+
+
+def _fallbacks(proxy_url: str) -> float:
+    with urllib.request.urlopen(proxy_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    found = re.findall(
+        r'^splitserve_proxy_first_token_fallbacks_total\{reason="stop_string_at_seam"\} (\S+)$',
+        text,
+        re.M,
+    )
+    return float(found[0]) if found else 0.0
+
+
+def test_stop_string_across_the_seam_matches_colocated(ss_pair, concurrent_proxy) -> None:
+    """A stop string made of the first token's last character and the second token's first:
+    a colocated server stops there; so must the proxy (it sees the stop may span P's token and
+    D's, and serves the request in the plain flow)."""
+    p_url = ss_pair["ss-a"][0]
+    c, ref = client(concurrent_proxy.url), client(p_url)
+    for seed in range(7700, 7760):
+        prompt = text_prompt(30, seed)
+        kw = {"model": "tiny", "prompt": prompt, "temperature": 0}
+        one = ref.completions.create(max_tokens=1, **kw).choices[0].text
+        two = ref.completions.create(max_tokens=2, **kw).choices[0].text
+        second = two[len(one) :]
+        if one and second and two.startswith(one) and (one[-1] + second[0]) not in one:
+            break
+    else:
+        pytest.fail("no prompt whose first two tokens both have text")
+    stop = one[-1] + second[0]
+    before = _fallbacks(concurrent_proxy.url)
+    for include in (False, True):
+        kw = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stop": [stop],
+            "extra_body": {"include_stop_str_in_output": include},
+        }
+        want = ref.completions.create(**kw)
+        assert want.choices[0].finish_reason == "stop", "the colocated server stops at the seam"
+        got = c.completions.create(**kw)
+        assert got.choices[0].text == want.choices[0].text, repr(stop)
+        assert got.choices[0].finish_reason == "stop"
+        assert got.choices[0].model_extra.get("stop_reason") == stop
+        assert got.usage.model_dump() == want.usage.model_dump()
+        chunks = list(c.completions.create(stream=True, **kw))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.choices[0].text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert _fallbacks(concurrent_proxy.url) - before == 4
 
 
 def test_request_outside_the_first_token_flow_still_matches(ss_pair, concurrent_proxy) -> None:

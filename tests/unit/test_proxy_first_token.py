@@ -26,11 +26,12 @@ TEXT = ["A", "B", "C", "D", "E"]
 
 
 class StubVllm:
-    """``p_finish``: P's finish reason for its one token; ``d_hangs``: D never answers (a real
-    D waits for the KV of a request whose first token ended it)."""
+    """``p_finish``: P's finish reason for its one token; ``p_text``: its text; ``d_hangs``: D
+    never answers (a real D waits for the KV of a request whose first token ended it)."""
 
-    def __init__(self, p_finish: str = "length", d_hangs: bool = False) -> None:
+    def __init__(self, p_finish: str = "length", d_hangs: bool = False, p_text: str = "A") -> None:
         self.p_finish = p_finish
+        self.p_text = p_text
         self.d_hangs = d_hangs
         self.bodies: list[dict[str, Any]] = []
         self.cancelled = 0
@@ -61,7 +62,7 @@ class StubVllm:
         n = body.get("max_tokens", 5)
         try:
             if params.get("do_remote_decode"):
-                return web.json_response(self._whole(chat, ["A"], self.p_finish, "p-id"))
+                return web.json_response(self._whole(chat, [self.p_text], self.p_finish, "p-id"))
             if params.get("first_token_from_prefill"):
                 if self.d_hangs:
                     await asyncio.sleep(3600)
@@ -121,7 +122,9 @@ def stub_settings() -> dict[str, Any]:
 @pytest.fixture
 async def stack(stub_settings):
     """(proxy url, P stub, D stub), with ``stub_settings`` for the stubs."""
-    p = await StubVllm(p_finish=stub_settings.get("p_finish", "length")).start()
+    p = await StubVllm(
+        p_finish=stub_settings.get("p_finish", "length"), p_text=stub_settings.get("p_text", "A")
+    ).start()
     d = await StubVllm(d_hangs=stub_settings.get("d_hangs", False)).start()
     config = build_config(
         {
@@ -292,3 +295,71 @@ async def test_ineligible_request_takes_the_plain_concurrent_flow(stack):
     status, answer = await post(url + "/v1/completions", {**COMPLETION, "logprobs": 1})
     assert status == 200 and answer["choices"][0]["text"] == "ABCD"
     assert "first_token_from_prefill" not in d.bodies[0]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize(
+    ("stop", "first_text", "spans"),
+    [
+        (None, "ab", False),
+        ("bc", "ab", True),  # "b" ends the first token, "c" may follow from D
+        (["zz", "b\n\n"], "ab", True),
+        (["\n\n"], "a\n", True),
+        (["ab"], "ab", False),  # within the first token: P stops on it itself
+        (["xa"], "ab", False),
+        (["abc"], "b", False),  # would start before the first token: in the prompt
+        ([""], "ab", False),
+        ("b" * 10_000, "a" * 50 + "b", True),
+    ],
+)
+def test_stop_may_span_seam(stop, first_text, spans):
+    assert stitch.stop_may_span_seam({"stop": stop}, first_text) is spans
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_that_may_span_the_seam_takes_the_plain_flow(stack, stream):
+    """P's token "A" may begin the stop string "AB": D's request with P's token is cancelled
+    and the request served in the plain concurrent flow (the stub D does not stop on strings:
+    its plain answer comes back whole)."""
+    url, p, d = stack
+    body = {**COMPLETION, "stop": ["AB"], "stream": stream}
+    if stream:
+        got = await events(url + "/v1/completions", body)
+        text = "".join(e["choices"][0]["text"] for e in got if isinstance(e, dict) and e["choices"])
+    else:
+        status, answer = await post(url + "/v1/completions", body)
+        assert status == 200, answer
+        text = answer["choices"][0]["text"]
+    assert text == "ABCD"
+    first, plain = d.bodies
+    assert first["kv_transfer_params"]["first_token_from_prefill"] is True
+    assert "first_token_from_prefill" not in plain["kv_transfer_params"]
+    assert plain["kv_transfer_params"]["transfer_id"] != first["kv_transfer_params"]["transfer_id"]
+    assert len(p.bodies) == 2
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        metrics = await r.text()
+    assert 'splitserve_proxy_first_token_fallbacks_total{reason="stop_string_at_seam"} 1.0' in (
+        metrics
+    )
+
+
+@pytest.mark.parametrize("stub_settings", [{"p_text": ""}])
+async def test_a_first_token_without_text_takes_the_plain_flow(stack):
+    """P's token rendered no text (the first bytes of a split character): D's detokenizer would
+    not see them, so the request goes the plain way."""
+    url, _, d = stack
+    status, answer = await post(url + "/v1/completions", COMPLETION)
+    assert status == 200 and answer["choices"][0]["text"] == "ABCD"
+    first, plain = d.bodies
+    assert first["kv_transfer_params"]["first_token_from_prefill"] is True
+    assert "first_token_from_prefill" not in plain["kv_transfer_params"]
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        metrics = await r.text()
+    assert 'fallbacks_total{reason="empty_first_token_text"} 1.0' in metrics
+
+
+async def test_a_stop_string_that_cannot_span_the_seam_keeps_the_first_token_flow(stack):
+    url, p, d = stack
+    status, answer = await post(url + "/v1/completions", {**COMPLETION, "stop": ["XA", "BA"]})
+    assert status == 200 and answer["choices"][0]["text"] == "ABCD"
+    (only,) = d.bodies
+    assert only["kv_transfer_params"]["first_token_from_prefill"] is True
