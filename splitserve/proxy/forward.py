@@ -10,8 +10,9 @@ Flows:
   answer is awaited beside D's first byte so that a failing P is noticed while D waits for KV.
 - vLLM ``concurrent`` with ``first_token_from_prefill`` (``first_token.py``): the client's
   first token is P's, sent when P answers; D continues from it. A request for one token goes
-  to P alone; one whose stop string may span the seam (P's text ends with the start of one)
-  is served in the plain concurrent flow on the same pair after P answered.
+  to P alone; one whose stop string may span the seam (P's text ends with the start of one),
+  or whose first token has no text, is served in the plain concurrent flow on the same pair
+  after P answered (``stitch.plain_flow_reason``).
 
 Invariants:
 - Nothing is sent to the client before D's first body byte (or D's full answer when not
