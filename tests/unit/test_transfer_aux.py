@@ -2,7 +2,8 @@
 layouts whose layers hold different numbers of blocks, the final WRITE that carries the aux rows
 and DONE, and registrations that name (or fail to name) an aux row.
 
-``FakeAgent`` / ``FakeChannel`` record what our logic asks of them (no NIXL, no sockets).
+``FakeAgent`` / ``FakeChannel`` (``tests/unit/fakes.py``) record what our logic asks of them (no
+NIXL, no sockets).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from fakes import FakeAgent, FakeChannel
 
 from splitserve.transfer import messages
 from splitserve.transfer.layout import KVLayout, LayerLayout
@@ -41,64 +43,9 @@ LAYOUT = KVLayout(
 PEER = PeerRef(inbound=b"d-1")
 
 
-class FakeHandle:
-    def __init__(self, copies, notif):
-        self.copies, self.notif, self.state = copies, notif, "PROC"
-        self.num_bytes, self.peer = 0, "D"
-
-
-class FakeAgent:
-    name = "P"
-    layout = LAYOUT
-
-    def __init__(self):
-        self.posted: list[FakeHandle] = []
-        self.notifs: dict[str, list[bytes]] = {}
-        self._peers = {"D": type("Peer", (), {"layout": LAYOUT})}
-
-    def post(self, op, peer, layers, local, remote, notif=b""):
-        for lay, src, dst in zip(layers, local, remote, strict=True):
-            LAYOUT.validate_block_ids([src], "local", lay)
-            LAYOUT.validate_block_ids([dst], "remote", lay)
-        handle = FakeHandle(list(zip(layers, local, remote, strict=True)), notif)
-        self.posted.append(handle)
-        return handle
-
-    def check(self, handle):
-        return handle.state
-
-    def release(self, handle):
-        pass
-
-    def metadata(self):
-        return b"meta"
-
-    def notifications(self):
-        out, self.notifs = self.notifs, {}
-        return out
-
-
-class FakeChannel:
-    auth_key = None
-
-    def __init__(self):
-        self.inbox: list = []
-        self.sent: list = []
-
-    def receive_bound(self):
-        out, self.inbox = self.inbox, []
-        return out
-
-    def receive_connected(self):
-        return []
-
-    def send(self, peer, message):
-        self.sent.append((peer, message))
-
-
 def make_sender():
     clock = itertools.count().__next__
-    agent, channel = FakeAgent(), FakeChannel()
+    agent, channel = FakeAgent(LAYOUT), FakeChannel()
     sender = KVSender(agent, channel, lease_s=10.0, clock=lambda: float(clock()))
     sender._peer_agents[PEER.inbound] = "D"
     return sender, agent, channel
@@ -196,7 +143,7 @@ def test_aux_row_required_exactly_when_the_layout_has_aux_layers():
     sender, _, _ = make_sender()
     with pytest.raises(ValueError):
         sender.add_request("r", B)
-    receiver = KVReceiver(FakeAgent(), FakeChannel(), done_timeout_s=5)
+    receiver = KVReceiver(FakeAgent(LAYOUT), FakeChannel(), done_timeout_s=5)
     with pytest.raises(ValueError):
         receiver.expect("r", "h", 1, [1], 0)
     with pytest.raises(ValueError):
@@ -206,7 +153,7 @@ def test_aux_row_required_exactly_when_the_layout_has_aux_layers():
 
 def test_abort_before_registering_reaches_the_sender_which_drops_the_id():
     channel = FakeChannel()
-    receiver = KVReceiver(FakeAgent(), channel, done_timeout_s=5)
+    receiver = KVReceiver(FakeAgent(LAYOUT), channel, done_timeout_s=5)
     receiver.abort("r", "client gone", "127.0.0.1", 5)
     abort = channel.sent[-1][1]
     assert isinstance(abort, messages.Abort) and abort.transfer_id == "r"
