@@ -32,6 +32,7 @@ from splitserve.planner.pools import (
 )
 from splitserve.planner.roofline import (
     BF16_BYTES,
+    Replica,
     gemm_intensity,
     largest_chunk_under,
     layer_intensity,
@@ -138,76 +139,137 @@ def make_plan(
     compare_links: bool = True,
     slo_given: bool = False,
 ) -> Plan:
+    """Every figure of a plan, step by step: replica, KV sizes, handoff per link, prefill
+    intensity, chunk advice, pools; then the assumptions those figures rest on."""
     workload = workload or Workload()
     slo = slo or Slo()
-    assumptions: list[str] = []
     gpus = gpus_per_replica or auto_gpus_per_replica(model, acc, weight_bytes)
-    if gpus_per_replica is None:
-        assumptions.append(
-            f"{gpus} x {acc.name} per replica: the fewest (power of two) whose "
-            f"memory holds the weights in {AUTO_TP_WEIGHT_SHARE:.0%} of it"
-        )
     replica = make_replica(acc, gpus, efficiency)
     kv = kv_sizes(model, kv_dtype, workload.prompt_tokens)
-    per_layer = kv.bytes_per_token_per_layer
     layer_s = prefill_layer_seconds(
-        model, replica, per_layer, workload.prompt_tokens, weight_bytes=weight_bytes
+        model,
+        replica,
+        kv.bytes_per_token_per_layer,
+        workload.prompt_tokens,
+        weight_bytes=weight_bytes,
     )
-    this_handoff = handoff(link, model.num_layers, kv.layer_slice_bytes, layer_s, gpus)
-    by_link = [this_handoff]
-    if compare_links:
-        by_link += [
-            handoff(other, model.num_layers, kv.layer_slice_bytes, layer_s, gpus)
-            for other in LINKS.values()
-            if other.name != link.name
-        ]
-    ridge = replica.ridge_flop_per_byte
-    intensity = Intensity(
-        prompt_tokens=workload.prompt_tokens,
-        layer_flop_per_byte=layer_intensity(model, workload.prompt_tokens, weight_bytes),
-        ridge_flop_per_byte=ridge,
-        min_budget_tokens=min_tokens_above_ridge(model, ridge, weight_bytes),
-        gemm_d_out=model.hidden_size,
-        gemm_flop_per_byte=gemm_intensity(
-            workload.prompt_tokens, model.hidden_size, model.hidden_size, weight_bytes
-        ),
-        gemm_min_tokens=min_tokens_for_gemm(model.hidden_size, ridge, weight_bytes),
-    )
+    by_link = _handoffs(model, link, kv, layer_s, gpus, compare_links)
+    this_handoff = by_link[0]
+    intensity = _intensity(model, replica, workload.prompt_tokens, weight_bytes)
     ctx = PoolContext(
         model=model,
         replica=replica,
-        kv_bytes_per_token_per_layer=per_layer,
+        kv_bytes_per_token_per_layer=kv.bytes_per_token_per_layer,
         workload=workload,
         slo=slo,
         exposed_handoff_s=this_handoff.exposed_streaming_s,
         min_prefill_budget=intensity.min_budget_tokens,
         weight_bytes=weight_bytes,
     )
+    assumptions = [_auto_gpus_assumption(acc, gpus)] if gpus_per_replica is None else []
+    assumptions += _assumptions(model, acc, link, replica, gpus, efficiency, weight_bytes, kv_dtype)
+    if not slo_given:
+        assumptions.append(
+            f"no SLO given: TTFT {slo.ttft_s:g} s and ITL {slo.itl_s * 1e3:g} ms assumed"
+        )
+    return Plan(
+        model=_model_summary(model, weight_bytes),
+        hardware=_hardware_summary(acc, link, replica, gpus, efficiency, kv_dtype),
+        kv=kv,
+        handoff=this_handoff,
+        handoff_by_link=by_link,
+        intensity=intensity,
+        chunks=_chunk_advice(ctx),
+        workload=workload.model_dump(),
+        slo=slo.model_dump(),
+        pools=_pools(ctx, this_handoff),
+        assumptions=assumptions,
+    )
+
+
+def _handoffs(
+    model: ModelShape, link: Link, kv: KvSizes, layer_s: float, gpus: int, compare_links: bool
+) -> list[Handoff]:
+    """The handoff over ``link`` first, then (``compare_links``) over every other catalog link."""
+    by_link = [handoff(link, model.num_layers, kv.layer_slice_bytes, layer_s, gpus)]
+    if compare_links:
+        by_link += [
+            handoff(other, model.num_layers, kv.layer_slice_bytes, layer_s, gpus)
+            for other in LINKS.values()
+            if other.name != link.name
+        ]
+    return by_link
+
+
+def _intensity(
+    model: ModelShape, replica: Replica, prompt_tokens: int, weight_bytes: int
+) -> Intensity:
+    """Prefill's FLOP per byte beside the replica's ridge, for a mean layer and one GEMM."""
+    ridge = replica.ridge_flop_per_byte
+    return Intensity(
+        prompt_tokens=prompt_tokens,
+        layer_flop_per_byte=layer_intensity(model, prompt_tokens, weight_bytes),
+        ridge_flop_per_byte=ridge,
+        min_budget_tokens=min_tokens_above_ridge(model, ridge, weight_bytes),
+        gemm_d_out=model.hidden_size,
+        gemm_flop_per_byte=gemm_intensity(
+            prompt_tokens, model.hidden_size, model.hidden_size, weight_bytes
+        ),
+        gemm_min_tokens=min_tokens_for_gemm(model.hidden_size, ridge, weight_bytes),
+    )
+
+
+def _chunk_advice(ctx: PoolContext) -> list[ChunkAdvice]:
+    """Per decode batch in ``DECODE_BATCHES``: its step alone and the largest prefill chunk
+    that keeps a step with it under the ITL target."""
     chunks = []
     for seqs in DECODE_BATCHES:
         step = step_cost(
-            model,
-            replica,
-            per_layer,
+            ctx.model,
+            ctx.replica,
+            ctx.kv_bytes_per_token_per_layer,
             decode_seqs=seqs,
             decode_context=ctx.mean_decode_context,
-            weight_bytes=weight_bytes,
+            weight_bytes=ctx.weight_bytes,
         )
         chunk = largest_chunk_under(
-            model,
-            replica,
-            per_layer,
-            slo.itl_s,
+            ctx.model,
+            ctx.replica,
+            ctx.kv_bytes_per_token_per_layer,
+            ctx.slo.itl_s,
             seqs,
             ctx.mean_decode_context,
-            weight_bytes,
+            ctx.weight_bytes,
             prefill_context=ctx.mean_chunk_context,
         )
         chunks.append(ChunkAdvice(seqs, ctx.mean_decode_context, step.seconds, chunk))
+    return chunks
+
+
+def _pools(ctx: PoolContext, this_handoff: Handoff) -> Pools:
     pre, dec, colo = size_prefill(ctx), size_decode(ctx), size_colocated(ctx)
-    pools = Pools(pre, dec, colo, verdict(ctx, pre, dec, colo, this_handoff.streaming_hides))
-    layer = mean_layer(model)
-    assumptions += [
+    return Pools(pre, dec, colo, verdict(ctx, pre, dec, colo, this_handoff.streaming_hides))
+
+
+def _auto_gpus_assumption(acc: Accelerator, gpus: int) -> str:
+    return (
+        f"{gpus} x {acc.name} per replica: the fewest (power of two) whose "
+        f"memory holds the weights in {AUTO_TP_WEIGHT_SHARE:.0%} of it"
+    )
+
+
+def _assumptions(
+    model: ModelShape,
+    acc: Accelerator,
+    link: Link,
+    replica: Replica,
+    gpus: int,
+    efficiency: float,
+    weight_bytes: int,
+    kv_dtype: str,
+) -> list[str]:
+    """What every plan's figures rest on (the roofline, dtypes, links, memory, arrivals)."""
+    assumptions = [
         f"roofline: step time = max(FLOPs / {replica.flops / 1e12:.4g} TFLOP/s, bytes / "
         f"{replica.mem_bytes_per_s / 1e9:.4g} GB/s) for {gpus} x {acc.name} at "
         f"{efficiency:.0%} of peak",
@@ -227,45 +289,40 @@ def make_plan(
             "MoE: tokens route uniformly; a batch of n tokens reads each expert "
             "with probability 1 - (1 - k/E)^n"
         )
-    if not slo_given:
-        assumptions.append(
-            f"no SLO given: TTFT {slo.ttft_s:g} s and ITL {slo.itl_s * 1e3:g} ms assumed"
-        )
-    return Plan(
-        model={
-            "name": model.name,
-            "num_layers": model.num_layers,
-            "hidden_size": model.hidden_size,
-            "num_kv_heads": model.num_kv_heads,
-            "head_dim": model.head_dim,
-            "mla": model.is_mla,
-            "moe": model.is_moe,
-            "params_total": weight_bytes_total(model, 1),
-            "params_active_per_token": layer.active_weight_elems * model.num_layers
-            + model.hidden_size * model.vocab_size,
-            "weight_bytes": weight_bytes_total(model, weight_bytes),
-        },
-        hardware={
-            "accelerator": acc.name,
-            "source": acc.source,
-            "gpus_per_replica": gpus,
-            "efficiency": efficiency,
-            "flops": replica.flops,
-            "mem_bytes_per_s": replica.mem_bytes_per_s,
-            "mem_bytes": replica.mem_bytes,
-            "ridge_flop_per_byte": ridge,
-            "link": link.name,
-            "link_bytes_per_s": link.bytes_per_s,
-            "link_per_transfer_s": link.per_transfer_s,
-            "kv_dtype_bytes": dtype_bytes(kv_dtype),
-        },
-        kv=kv,
-        handoff=this_handoff,
-        handoff_by_link=by_link,
-        intensity=intensity,
-        chunks=chunks,
-        workload=workload.model_dump(),
-        slo=slo.model_dump(),
-        pools=pools,
-        assumptions=assumptions,
-    )
+    return assumptions
+
+
+def _model_summary(model: ModelShape, weight_bytes: int) -> dict[str, Any]:
+    layer = mean_layer(model)
+    return {
+        "name": model.name,
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "mla": model.is_mla,
+        "moe": model.is_moe,
+        "params_total": weight_bytes_total(model, 1),
+        "params_active_per_token": layer.active_weight_elems * model.num_layers
+        + model.hidden_size * model.vocab_size,
+        "weight_bytes": weight_bytes_total(model, weight_bytes),
+    }
+
+
+def _hardware_summary(
+    acc: Accelerator, link: Link, replica: Replica, gpus: int, efficiency: float, kv_dtype: str
+) -> dict[str, Any]:
+    return {
+        "accelerator": acc.name,
+        "source": acc.source,
+        "gpus_per_replica": gpus,
+        "efficiency": efficiency,
+        "flops": replica.flops,
+        "mem_bytes_per_s": replica.mem_bytes_per_s,
+        "mem_bytes": replica.mem_bytes,
+        "ridge_flop_per_byte": replica.ridge_flop_per_byte,
+        "link": link.name,
+        "link_bytes_per_s": link.bytes_per_s,
+        "link_per_transfer_s": link.per_transfer_s,
+        "kv_dtype_bytes": dtype_bytes(kv_dtype),
+    }

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from splitserve.planner.plan import Plan
+from splitserve.planner.plan import Plan, Pools
 
 
 def fmt_bytes(n: float) -> str:
@@ -50,65 +50,88 @@ def _section(title: str, body: str) -> str:
 
 
 def render_text(plan: Plan) -> str:
-    m, hw, kv, wl, slo = plan.model, plan.hardware, plan.kv, plan.workload, plan.slo
-    out: list[str] = []
+    """The plan as text: one block per section, in the order a reader needs them (what is
+    moved, over what, how long it takes, then the advice and the assumptions behind it)."""
+    out = [
+        _model_section(plan),
+        _replica_section(plan),
+        _kv_section(plan),
+        _handoff_section(plan),
+        _intensity_section(plan),
+        _chunks_section(plan),
+    ]
+    if plan.pools is not None:
+        out += [_pools_section(plan, plan.pools), _verdict_section(plan.pools)]
+    if plan.calibration:
+        out.append(render_calibration(plan.calibration))
+    out.append(_assumptions_section(plan))
+    return "\n".join(out)
+
+
+def _model_section(plan: Plan) -> str:
+    m = plan.model
     kv_shape = "MLA latent" if m["mla"] else f"{m['num_kv_heads']} KV heads x {m['head_dim']}"
-    out.append(
-        _section(
-            f"Model {m['name']}",
-            table(
-                ["layers", "KV per layer", "params", "active/token", "weights"],
+    return _section(
+        f"Model {m['name']}",
+        table(
+            ["layers", "KV per layer", "params", "active/token", "weights"],
+            [
                 [
-                    [
-                        m["num_layers"],
-                        kv_shape,
-                        f"{m['params_total'] / 1e9:.3g} B",
-                        f"{m['params_active_per_token'] / 1e9:.3g} B",
-                        fmt_bytes(m["weight_bytes"]),
-                    ]
-                ],
-            ),
-        )
+                    m["num_layers"],
+                    kv_shape,
+                    f"{m['params_total'] / 1e9:.3g} B",
+                    f"{m['params_active_per_token'] / 1e9:.3g} B",
+                    fmt_bytes(m["weight_bytes"]),
+                ]
+            ],
+        ),
     )
-    out.append(
-        _section(
-            "Replica",
-            table(
-                ["GPUs", "peak FLOP/s", "memory BW", "memory", "ridge (FLOP/B)", "link"],
+
+
+def _replica_section(plan: Plan) -> str:
+    hw = plan.hardware
+    per_transfer = (
+        f", +{fmt_seconds(hw['link_per_transfer_s'])}/transfer)"
+        if hw["link_per_transfer_s"]
+        else ")"
+    )
+    return _section(
+        "Replica",
+        table(
+            ["GPUs", "peak FLOP/s", "memory BW", "memory", "ridge (FLOP/B)", "link"],
+            [
                 [
-                    [
-                        f"{hw['gpus_per_replica']} x {hw['accelerator']}",
-                        f"{hw['flops'] / 1e12:.4g} T",
-                        fmt_rate(hw["mem_bytes_per_s"]),
-                        fmt_bytes(hw["mem_bytes"]),
-                        f"{hw['ridge_flop_per_byte']:.0f}",
-                        f"{hw['link']} ({fmt_rate(hw['link_bytes_per_s'])}"
-                        + (
-                            f", +{fmt_seconds(hw['link_per_transfer_s'])}/transfer)"
-                            if hw["link_per_transfer_s"]
-                            else ")"
-                        ),
-                    ]
-                ],
-            ),
-        )
+                    f"{hw['gpus_per_replica']} x {hw['accelerator']}",
+                    f"{hw['flops'] / 1e12:.4g} T",
+                    fmt_rate(hw["mem_bytes_per_s"]),
+                    fmt_bytes(hw["mem_bytes"]),
+                    f"{hw['ridge_flop_per_byte']:.0f}",
+                    f"{hw['link']} ({fmt_rate(hw['link_bytes_per_s'])}" + per_transfer,
+                ]
+            ],
+        ),
     )
-    out.append(
-        _section(
-            f"KV cache ({kv.kv_dtype}, request of {kv.tokens} prompt tokens)",
-            table(
-                ["per token", "per token per layer", "per layer slice", "per request"],
+
+
+def _kv_section(plan: Plan) -> str:
+    kv = plan.kv
+    return _section(
+        f"KV cache ({kv.kv_dtype}, request of {kv.tokens} prompt tokens)",
+        table(
+            ["per token", "per token per layer", "per layer slice", "per request"],
+            [
                 [
-                    [
-                        f"{fmt_bytes(kv.bytes_per_token)} ({kv.bytes_per_token} B)",
-                        f"{kv.bytes_per_token_per_layer} B",
-                        f"{fmt_bytes(kv.layer_slice_bytes)} ({kv.layer_slice_bytes} B)",
-                        f"{fmt_bytes(kv.request_bytes)} ({kv.request_bytes} B)",
-                    ]
-                ],
-            ),
-        )
+                    f"{fmt_bytes(kv.bytes_per_token)} ({kv.bytes_per_token} B)",
+                    f"{kv.bytes_per_token_per_layer} B",
+                    f"{fmt_bytes(kv.layer_slice_bytes)} ({kv.layer_slice_bytes} B)",
+                    f"{fmt_bytes(kv.request_bytes)} ({kv.request_bytes} B)",
+                ]
+            ],
+        ),
     )
+
+
+def _handoff_section(plan: Plan) -> str:
     rows = []
     for h in plan.handoff_by_link:
         links = f"{h.links_in_parallel} x " if h.links_in_parallel > 1 else ""
@@ -125,106 +148,109 @@ def render_text(plan: Plan) -> str:
                 "yes" if h.streaming_hides else "no",
             ]
         )
-    out.append(
-        _section(
-            f"Handoff of one {kv.tokens}-token request (* = chosen link)",
-            table(
-                [
-                    "link",
-                    "bandwidth",
-                    "bulk",
-                    "layer xfer",
-                    "layer prefill",
-                    "xfer/prefill",
-                    "exposed bulk",
-                    "exposed streamed",
-                    "hidden",
-                ],
-                rows,
-            ),
-        )
+    return _section(
+        f"Handoff of one {plan.kv.tokens}-token request (* = chosen link)",
+        table(
+            [
+                "link",
+                "bandwidth",
+                "bulk",
+                "layer xfer",
+                "layer prefill",
+                "xfer/prefill",
+                "exposed bulk",
+                "exposed streamed",
+                "hidden",
+            ],
+            rows,
+        ),
     )
+
+
+def _intensity_section(plan: Plan) -> str:
     it = plan.intensity
-    out.append(
-        _section(
-            "Prefill arithmetic intensity (GEMMs; bytes = weights + input activations)",
-            table(
-                ["what", "FLOP/byte", "ridge", "smallest budget above ridge"],
+    return _section(
+        "Prefill arithmetic intensity (GEMMs; bytes = weights + input activations)",
+        table(
+            ["what", "FLOP/byte", "ridge", "smallest budget above ridge"],
+            [
                 [
-                    [
-                        f"mean layer, {it.prompt_tokens} tokens",
-                        f"{it.layer_flop_per_byte:.0f}",
-                        f"{it.ridge_flop_per_byte:.0f}",
-                        _tokens(it.min_budget_tokens),
-                    ],
-                    [
-                        f"one GEMM d'={it.gemm_d_out}, {it.prompt_tokens} tokens",
-                        f"{it.gemm_flop_per_byte:.0f}",
-                        f"{it.ridge_flop_per_byte:.0f}",
-                        _tokens(it.gemm_min_tokens),
-                    ],
+                    f"mean layer, {it.prompt_tokens} tokens",
+                    f"{it.layer_flop_per_byte:.0f}",
+                    f"{it.ridge_flop_per_byte:.0f}",
+                    _tokens(it.min_budget_tokens),
                 ],
-            ),
-        )
-    )
-    out.append(
-        _section(
-            f"Largest prefill chunk that keeps a decode step under ITL {fmt_seconds(slo['itl_s'])}",
-            table(
-                ["decodes", "context", "decode step alone", "largest chunk"],
                 [
-                    [
-                        c.decode_seqs,
-                        c.decode_context,
-                        fmt_seconds(c.decode_step_s),
-                        "decodes alone exceed ITL" if c.largest_chunk is None else c.largest_chunk,
-                    ]
-                    for c in plan.chunks
+                    f"one GEMM d'={it.gemm_d_out}, {it.prompt_tokens} tokens",
+                    f"{it.gemm_flop_per_byte:.0f}",
+                    f"{it.ridge_flop_per_byte:.0f}",
+                    _tokens(it.gemm_min_tokens),
                 ],
-            ),
-        )
+            ],
+        ),
     )
-    if plan.pools is not None:
-        p = plan.pools
-        rate = wl["request_rate"]
-        title = (f"Pools for {rate:g} req/s" if rate else "Pools (no --rate: one request)") + (
-            f", {wl['prompt_tokens']} in / {wl['output_tokens']} out, "
-            f"TTFT {fmt_seconds(slo['ttft_s'])}, ITL {fmt_seconds(slo['itl_s'])}"
-        )
-        rows = [
+
+
+def _chunks_section(plan: Plan) -> str:
+    return _section(
+        "Largest prefill chunk that keeps a decode step under ITL "
+        f"{fmt_seconds(plan.slo['itl_s'])}",
+        table(
+            ["decodes", "context", "decode step alone", "largest chunk"],
             [
-                "prefill (P)",
-                _count(p.prefill.replicas),
-                fmt_seconds(p.prefill.ttft_s),
-                f"{p.prefill.prompts_per_iteration} prompt(s) per "
-                f"{fmt_seconds(p.prefill.iteration_s)} iteration",
-                p.prefill.why,
+                [
+                    c.decode_seqs,
+                    c.decode_context,
+                    fmt_seconds(c.decode_step_s),
+                    "decodes alone exceed ITL" if c.largest_chunk is None else c.largest_chunk,
+                ]
+                for c in plan.chunks
             ],
-            [
-                "decode (D)",
-                _count(p.decode.replicas),
-                "-",
-                f"batch {p.decode.batch} ({p.decode.batch_limit}), step "
-                f"{fmt_seconds(p.decode.step_s)}",
-                p.decode.why,
-            ],
-            [
-                "colocated",
-                _count(p.colocated.replicas),
-                fmt_seconds(p.colocated.ttft_s),
-                f"chunk {p.colocated.chunk_tokens}, {p.colocated.decode_seqs} decodes",
-                p.colocated.why,
-            ],
-        ]
-        out.append(
-            _section(title, table(["pool", "replicas", "TTFT", "operating point", "why"], rows))
-        )
-        reasons = "\n".join(f"  - {r}" for r in p.verdict.reasons)
-        out.append(f"Verdict: {p.verdict.choice.upper()}\n{reasons}\n")
-    if plan.calibration:
-        out.append(render_calibration(plan.calibration))
-    out.append("Assumptions\n" + "\n".join(f"  - {a}" for a in plan.assumptions) + "\n")
-    return "\n".join(out)
+        ),
+    )
+
+
+def _pools_section(plan: Plan, p: Pools) -> str:
+    wl, slo = plan.workload, plan.slo
+    rate = wl["request_rate"]
+    title = (f"Pools for {rate:g} req/s" if rate else "Pools (no --rate: one request)") + (
+        f", {wl['prompt_tokens']} in / {wl['output_tokens']} out, "
+        f"TTFT {fmt_seconds(slo['ttft_s'])}, ITL {fmt_seconds(slo['itl_s'])}"
+    )
+    rows = [
+        [
+            "prefill (P)",
+            _count(p.prefill.replicas),
+            fmt_seconds(p.prefill.ttft_s),
+            f"{p.prefill.prompts_per_iteration} prompt(s) per "
+            f"{fmt_seconds(p.prefill.iteration_s)} iteration",
+            p.prefill.why,
+        ],
+        [
+            "decode (D)",
+            _count(p.decode.replicas),
+            "-",
+            f"batch {p.decode.batch} ({p.decode.batch_limit}), step {fmt_seconds(p.decode.step_s)}",
+            p.decode.why,
+        ],
+        [
+            "colocated",
+            _count(p.colocated.replicas),
+            fmt_seconds(p.colocated.ttft_s),
+            f"chunk {p.colocated.chunk_tokens}, {p.colocated.decode_seqs} decodes",
+            p.colocated.why,
+        ],
+    ]
+    return _section(title, table(["pool", "replicas", "TTFT", "operating point", "why"], rows))
+
+
+def _verdict_section(p: Pools) -> str:
+    reasons = "\n".join(f"  - {r}" for r in p.verdict.reasons)
+    return f"Verdict: {p.verdict.choice.upper()}\n{reasons}\n"
+
+
+def _assumptions_section(plan: Plan) -> str:
+    return "Assumptions\n" + "\n".join(f"  - {a}" for a in plan.assumptions) + "\n"
 
 
 def render_calibration(cal: dict[str, Any]) -> str:
