@@ -279,7 +279,12 @@ async def test_prefill_5xx_retries_on_other_pair_with_new_transfer_id(fakes, pro
 
 
 @pytest.mark.parametrize(
-    "flow", [{"flow": "concurrent", "first_token_from_prefill": False}, {"engine": "sglang"}]
+    "flow",
+    [
+        {"flow": "concurrent", "first_token_from_prefill": False},
+        {"flow": "concurrent"},  # the first token from P (the default there)
+        {"engine": "sglang"},
+    ],
 )
 async def test_prefill_failing_while_decode_waits_aborts_decode_and_retries(
     fakes, proxies, flow: dict[str, Any]
@@ -296,6 +301,64 @@ async def test_prefill_failing_while_decode_waits_aborts_decode_and_retries(
     assert answer["served_by"] == "d2", "waited for D (it would answer) instead of P's failure"
     await wait_for(lambda: fakes["d1"].cancelled == 1)  # D's request was closed: it aborts
     assert len(fakes["p1"].bodies) == 1 and len(fakes["p2"].bodies) == 1
+
+
+async def test_first_token_flow_decode_connect_refused_retries_on_another_pair(
+    fakes, proxies
+) -> None:
+    fakes["p1"].delay = 0.5  # P still prefilling when D's connect fails: noticed at once
+    settings = pd(fakes, ["p1"], ["d1", "d2"], flow="concurrent", health={"interval_s": 60})
+    settings["routing"] = {"decode": "round_robin"}
+    proxy = await start_proxy(settings)
+    proxies.append(proxy)
+    assert fakes["d1"].server is not None
+    await fakes["d1"].server.close()  # d1 goes away after the proxy started
+    loop = asyncio.get_running_loop()
+    for _ in range(2):  # whichever D round-robin picks first, both requests succeed
+        t0 = loop.time()
+        status, answer = await post(proxy.url + "/v1/completions", COMPLETION)
+        assert status == 200, answer
+        assert answer["served_by"] == "d2"
+        assert answer["choices"][0]["text"].startswith("x"), "P's token first"
+    assert not proxy.state.decode.backends[0].healthy
+    assert loop.time() - t0 < 2.0
+    metrics = proxy.state.metrics.render().decode()
+    assert 'splitserve_proxy_retries_total{reason="decode_connect"} 1.0' in metrics
+    await wait_for(lambda: fakes["p1"].finished == len(fakes["p1"].bodies))
+
+
+async def test_first_token_flow_prefill_timeout_is_504_and_cancels_both(fakes, proxies) -> None:
+    fakes["p1"].mode = "hang"
+    fakes["d1"].mode = "hang"
+    settings = pd(fakes, ["p1"], ["d1"], flow="concurrent", timeouts={"first_byte_s": 0.3})
+    proxy = await start_proxy({**settings, "retries": {"max_attempts": 1}})
+    proxies.append(proxy)
+    status, answer = await post(proxy.url + "/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 504
+    assert answer["error"]["type"] == "timeout"
+    assert "prefill answer" in answer["error"]["message"]
+    await wait_for(lambda: fakes["p1"].cancelled == 1 and fakes["d1"].cancelled == 1)
+    backends = proxy.state.prefill.backends + proxy.state.decode.backends
+    await wait_for(lambda: all(b.outstanding == 0 for b in backends))
+
+
+async def test_first_token_flow_decode_first_byte_timeout_after_the_token_is_an_sse_error(
+    fakes, proxies
+) -> None:
+    fakes["d1"].mode = "hang"
+    settings = pd(fakes, ["p1"], ["d1"], flow="concurrent", timeouts={"first_byte_s": 0.3})
+    proxy = await start_proxy(settings)
+    proxies.append(proxy)
+    status, events = await stream_events(
+        proxy.url + "/v1/completions", {**COMPLETION, "stream": True}
+    )
+    assert status == 200
+    assert events[0]["choices"][0]["text"] == "x", "P's token went out first"
+    assert events[-1]["error"]["type"] == "timeout" and "[DONE]" not in events
+    await wait_for(lambda: fakes["d1"].cancelled == 1)
+    metrics = proxy.state.metrics.render().decode()
+    assert 'splitserve_proxy_errors_total{kind="midstream_timeout"} 1.0' in metrics
+    assert fakes["p1"].cancelled == 0, "P answered: nothing of P's was cut"
 
 
 async def test_all_prefill_fail_gives_502_with_upstream_body(fakes, proxies) -> None:
@@ -582,7 +645,7 @@ async def test_several_workers_share_the_port_and_aggregate_metrics(fakes) -> No
 
     import psutil
 
-    from splitserve.launch.process import free_port
+    from splitserve.netutil import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.cli", "proxy", "--workers", "2", "--port", str(port)]
