@@ -74,8 +74,8 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.launch.group import ServerGroup
-from splitserve.launch.process import free_ports
 from splitserve.models import build_model, resolve_spec
+from splitserve.netutil import free_ports
 from splitserve.proxy import dispatch
 from splitserve.proxy.config import build_config
 from splitserve.proxy.server import BackgroundProxy

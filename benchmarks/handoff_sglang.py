@@ -41,7 +41,7 @@ import urllib.request
 from pathlib import Path
 
 from splitserve.launch.group import ServerGroup
-from splitserve.launch.process import free_ports
+from splitserve.netutil import free_ports
 
 START_TIMEOUT = 900.0
 CHUNK = 2048  # as the vLLM rows' --max-num-batched-tokens

@@ -28,8 +28,8 @@ from pydantic import SecretStr
 from splitserve.config import Deployment, PoolSettings, proxy_config_for
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
-from splitserve.launch.process import free_port, port_in_use
 from splitserve.models import PRESETS, ModelSpec, build_model
+from splitserve.netutil import free_port, port_in_use
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.launch import engines
-from splitserve.launch.process import ManagedProcess, ProcessStartError, free_port, http_ok
+from splitserve.launch.process import ManagedProcess, ProcessStartError
+from splitserve.netutil import free_port, http_ok
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ group and every descendant, a grace period, then SIGKILL. Engines spawn helpers 
 EngineCore, SGLang's scheduler and detokenizer), so killing only the top pid would leak them.
 
 Readiness is a bounded wait on a probe; a process that exits or misses its deadline raises
-``ProcessStartError`` carrying the tail of its log, so a failing start explains itself.
+``ProcessStartError`` carrying the tail of its log, so a failing start explains itself. Ports and
+HTTP probes: ``splitserve.netutil``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -36,47 +34,6 @@ class ProcessStartError(RuntimeError):
         self.name = name
         self.reason = reason
         self.log_tail = log_tail
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports (held open together while chosen, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """True when ``host:port`` cannot be bound right now (someone listens there)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-        return False
-
-
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when GET ``url`` answers 200."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 class ManagedProcess:

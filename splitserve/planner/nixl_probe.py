@@ -30,17 +30,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.netutil import free_port
+
 logger = logging.getLogger(__name__)
 
 DONE = b"splitserve-probe-done"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _quiet_nixl_logger() -> None:
@@ -150,7 +144,7 @@ def measure_nixl_bandwidth(
     target process; ``cpu_core`` pins the target (Linux) so the two sides do not share a core;
     ``memory="cuda"`` moves GPU memory (VRAM) instead of host memory."""
     max_bytes = max(sizes)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -175,7 +169,7 @@ def measure_nixl_bandwidth(
         import torch  # while the target starts
 
         info = json.loads(_read_line(proc, timeout_s))
-        agent = _agent(f"splitserve-probe-initiator-{os.getpid()}", _free_port())
+        agent = _agent(f"splitserve-probe-initiator-{os.getpid()}", free_port())
         buf = torch.ones(max_bytes, dtype=torch.uint8, device=memory)
         mem, dev = _mem_type(memory), (torch.cuda.current_device() if memory == "cuda" else 0)
         agent.register_memory(buf)

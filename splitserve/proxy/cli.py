@@ -156,7 +156,7 @@ def proxy(
 def _run_workers(config: ProxyConfig) -> None:
     import threading
 
-    from splitserve.launch.process import http_ok
+    from splitserve.netutil import http_ok
     from splitserve.proxy.workers import run_workers
 
     def announce() -> None:

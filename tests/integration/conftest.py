@@ -51,7 +51,7 @@ def ss_pair(servers, tiny_model) -> SplitservePair:
     starts it chooses the side ports, so they are read back from the servers' command lines."""
     import json
 
-    from splitserve.launch.process import free_ports
+    from splitserve.netutil import free_ports
 
     pair = SplitservePair({})
     keys = ("ss-a", "ss-b")
@@ -95,7 +95,7 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
     pytest.importorskip("sglang")
     pytest.importorskip("sglang_router")
     from splitserve.connectors.sglang.launch import sglang_router, sglang_server
-    from splitserve.launch.process import free_ports
+    from splitserve.netutil import free_ports
 
     group = servers.group
     model = str(tiny_model)

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.launch.process import free_port
+from splitserve.netutil import free_port
 
 pytestmark = pytest.mark.integration
 

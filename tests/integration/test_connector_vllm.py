@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from splitserve.launch.process import free_ports
+from splitserve.netutil import free_ports
 from splitserve.proxy import dispatch
 from splitserve.transfer import messages
 

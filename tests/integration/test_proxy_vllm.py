@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import openai
 import pytest
 
-from splitserve.launch.process import free_ports
+from splitserve.netutil import free_ports
 from splitserve.proxy.config import build_config
 from splitserve.proxy.server import BackgroundProxy
 

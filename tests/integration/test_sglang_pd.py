@@ -23,7 +23,7 @@ pytest.importorskip("sglang")
 pytest.importorskip("sglang_router")
 
 from splitserve.connectors.sglang.launch import sglang_server  # noqa: E402
-from splitserve.launch.process import free_port  # noqa: E402
+from splitserve.netutil import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

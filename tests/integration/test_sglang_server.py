@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("sglang")
 
 from splitserve.connectors.sglang.launch import sglang_server  # noqa: E402
-from splitserve.launch.process import ProcessStartError, free_port  # noqa: E402
+from splitserve.launch.process import ProcessStartError  # noqa: E402
+from splitserve.netutil import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

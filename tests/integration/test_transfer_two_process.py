@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from splitserve.netutil import free_port
+
 pytestmark = pytest.mark.integration
 
 NUM_LAYERS = 3
@@ -192,12 +194,6 @@ def settle(receiver, tid: str, bound: float = 30.0):
             return outcome
         time.sleep(0.002)
     raise AssertionError(f"transfer {tid} did not settle within {bound}s")
-
-
-def free_port() -> int:
-    from splitserve.launch.process import free_port as _free_port
-
-    return _free_port()
 
 
 def expected_blocks():

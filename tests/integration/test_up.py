@@ -22,7 +22,8 @@ from splitserve.launch.demo import (
     metric_sum,
     scrape,
 )
-from splitserve.launch.process import ManagedProcess, free_ports, http_ok
+from splitserve.launch.process import ManagedProcess
+from splitserve.netutil import free_ports, http_ok
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,56 @@
+"""Small local-network helpers: free ports and a plain HTTP readiness check.
+
+Neutral and low in the stack (standard library only): the launcher, the proxy's CLI, the planner's
+NIXL probe, the tests and the benchmarks all choose ports and probe servers this one way, and none
+of them has to import another's module (the launcher in particular) to do so.
+
+A port that was free when chosen can be taken before it is bound; callers that start servers
+retry on a fresh port (``splitserve.launch.group``).
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports (held open together while chosen, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when ``host:port`` cannot be bound right now (someone listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when GET ``url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
