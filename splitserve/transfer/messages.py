@@ -27,6 +27,23 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 PROTOCOL_VERSION = 1
 _MAC_SIZE = hashlib.sha256().digest_size
 
+# Bounds on what a peer may send, checked before anything is allocated from its numbers
+# (docs/security.md). A message is at most MAX_MESSAGE_BYTES on the wire (the side channel also
+# sets ZMQ's MAXMSGSIZE to it, so a larger frame is dropped by ZMQ before it is buffered). The
+# largest legitimate message is a REGISTER or ANNOUNCE of a long prompt: MAX_BLOCK_IDS block ids
+# of up to 10 digits each, well under the frame limit.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_BLOCK_IDS = 1 << 20  # per list: 16 M tokens at 16 tokens a block
+MAX_KV_GROUPS = 64
+MAX_LAYERS = 4096
+MAX_ID_CHARS = 128  # transfer ids and agent names
+MAX_REASON_CHARS = 1024
+MAX_METADATA_BYTES = 4 * 1024 * 1024
+_BLOCK_ID = Annotated[int, Field(ge=0, lt=1 << 40)]
+_LAYER = Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
+_TRANSFER_ID = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+_AGENT_NAME = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+
 
 class MessageError(ValueError):
     """A control message could not be accepted."""
@@ -59,8 +76,8 @@ class Hello(_Message):
     """
 
     type: Literal["hello"] = "hello"
-    agent_name: str
-    agent_metadata: bytes
+    agent_name: _AGENT_NAME
+    agent_metadata: bytes = Field(max_length=MAX_METADATA_BYTES)
     layout: dict
 
 
@@ -72,11 +89,13 @@ class HelloAck(_Message):
     """
 
     type: Literal["hello_ack"] = "hello_ack"
-    agent_name: str
+    agent_name: _AGENT_NAME
     direction: Literal["pull"] | None = Field(
         None, description="the sender ANNOUNCEs and the receiver READs; absent: the sender WRITEs"
     )
-    agent_metadata: bytes | None = Field(None, description="the sender's NIXL metadata (pull)")
+    agent_metadata: bytes | None = Field(
+        None, max_length=MAX_METADATA_BYTES, description="the sender's NIXL metadata (pull)"
+    )
     layout: dict | None = Field(None, description="the sender's KVLayout, dumped (pull)")
 
 
@@ -87,9 +106,11 @@ class Register(_Message):
     """
 
     type: Literal["register"] = "register"
-    transfer_id: str = Field(min_length=1, max_length=128)
-    agent_name: str
-    block_ids: list[list[Annotated[int, Field(ge=0)]]]
+    transfer_id: _TRANSFER_ID
+    agent_name: _AGENT_NAME
+    block_ids: list[Annotated[list[_BLOCK_ID], Field(max_length=MAX_BLOCK_IDS)]] = Field(
+        max_length=MAX_KV_GROUPS
+    )
     token_offset: int = Field(ge=0)
     first_token: Literal[True] | None = Field(
         None,
@@ -113,8 +134,8 @@ class Done(_Message):
     order); the receiver completes once its READs of every announced block are done."""
 
     type: Literal["done"] = "done"
-    transfer_id: str
-    num_blocks: int = Field(ge=0)
+    transfer_id: _TRANSFER_ID
+    num_blocks: int = Field(ge=0, le=MAX_BLOCK_IDS * MAX_KV_GROUPS)
     prefill_end_wall: float = Field(
         description="P's wall clock (time.time()) when the forward that completed the prompt "
         "returned (every layer computed, each layer's WRITE posted as its attention ran); D "
@@ -133,15 +154,15 @@ class Abort(_Message):
     (reason says why), D must not wait for DONE."""
 
     type: Literal["abort"] = "abort"
-    transfer_id: str
-    reason: str
+    transfer_id: _TRANSFER_ID
+    reason: str = Field(max_length=MAX_REASON_CHARS)
 
 
 class AbortAck(_Message):
     """P settled an ABORT: no WRITE of this transfer is in flight any more; D may free."""
 
     type: Literal["abort_ack"] = "abort_ack"
-    transfer_id: str
+    transfer_id: _TRANSFER_ID
 
 
 class Announce(_Message):
@@ -150,10 +171,10 @@ class Announce(_Message):
     computes; one for several layers when a registration catches up (bulk, mid-forward)."""
 
     type: Literal["announce"] = "announce"
-    transfer_id: str
-    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
-    src_block_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
-    dst_block_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    transfer_id: _TRANSFER_ID
+    layers: list[_LAYER] = Field(min_length=1, max_length=MAX_LAYERS)
+    src_block_ids: list[_BLOCK_ID] = Field(min_length=1, max_length=MAX_BLOCK_IDS)
+    dst_block_ids: list[_BLOCK_ID] = Field(min_length=1, max_length=MAX_BLOCK_IDS)
 
 
 class Pulled(_Message):
@@ -161,7 +182,7 @@ class Pulled(_Message):
     blocks. A receiver that fails or aborts sends ABORT instead, once its READs settled."""
 
     type: Literal["pulled"] = "pulled"
-    transfer_id: str
+    transfer_id: _TRANSFER_ID
 
 
 class FirstToken(_Message):
@@ -174,7 +195,7 @@ class FirstToken(_Message):
     D registered for the transfer with ``Register.first_token``."""
 
     type: Literal["first_token"] = "first_token"
-    transfer_id: str
+    transfer_id: _TRANSFER_ID
     token: int = Field(ge=0)
     sampled_wall: float = Field(
         description="P's wall clock (time.time()) when its engine saw the sampled token; D "
@@ -215,10 +236,17 @@ def decode(wire: bytes, auth_key: bytes | None = None) -> Message:
             raise MessageAuthError("message carries no MAC but an auth_key is configured")
         if not hmac.compare_digest(mac, _mac(auth_key, body)):
             raise MessageAuthError("message MAC does not match the configured auth_key")
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise MalformedMessageError(f"message of {len(body)} bytes (limit {MAX_MESSAGE_BYTES})")
     try:
         raw = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MalformedMessageError(f"message body is not JSON: {exc}") from exc
+    except RecursionError:
+        # ``[[[[...`` a few thousand deep: the parser's recursion limit, not a crash of ours.
+        raise MalformedMessageError("message body is nested too deeply") from None
+    except Exception as exc:  # anything a peer's bytes can provoke is a rejected message
+        raise MalformedMessageError(f"message body could not be parsed: {exc!r}") from None
     if not isinstance(raw, dict):
         raise MalformedMessageError("message body is not a JSON object")
     if raw.get("v") != PROTOCOL_VERSION:
@@ -228,7 +256,15 @@ def decode(wire: bytes, auth_key: bytes | None = None) -> Message:
     try:
         return _MESSAGE_ADAPTER.validate_json(body)
     except ValidationError as exc:
-        raise MalformedMessageError(f"invalid message: {exc.errors()[0]}") from exc
+        raise MalformedMessageError(f"invalid message: {_first_error(exc)}") from None
+    except Exception as exc:
+        raise MalformedMessageError(f"invalid message: {exc!r}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first validation problem, short: a peer's oversized input is not echoed back whole."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"[:300]
 
 
 def key_bytes(auth_key: str | None) -> bytes | None:

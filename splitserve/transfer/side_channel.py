@@ -5,17 +5,25 @@ host and port (peers that contact us) and one DEALER per peer address we contact
 other threads ``send`` (queued, then the thread is woken through an inproc socket) and drain
 what arrived per role: ``receive_bound`` (the sender's inbox: HELLO, REGISTER, ABORT from
 receivers) and ``receive_connected`` (the receiver's inbox: answers from senders and
-``PeerLost``). A socket monitor on each DEALER turns the peer's TCP disconnect (its process
-died) into a ``PeerLost`` event within milliseconds.
+``PeerLost``). A socket monitor on each DEALER turns the peer's disconnect (its process died,
+its heartbeats stopped, or its handshake refused our key) into a ``PeerLost`` event.
 
-Why ZMQ and not NIXL notifications for control: measured here (tests/integration/
-test_transfer_two_process.py prints it), a ZMQ round trip on loopback costs tens of
+Why ZMQ and not NIXL notifications for control: a ZMQ round trip on loopback costs tens of
 microseconds in any UCX error mode, while a NIXL notification costs milliseconds in UCX's
-``peer`` error mode, the mode that reports a dead peer on WRITE. The per-layer data path needs
-no control message in the push strategy; DONE rides on the last WRITE as a NIXL notification so
-that it is ordered after the data. In the pull strategy the per-layer ANNOUNCEs, DONE and D's
-PULLED travel here: one ROUTER/DEALER connection delivers a peer's messages in order, so DONE
-arrives after the ANNOUNCEs it closes.
+``peer`` error mode, the mode that reports a dead peer on WRITE (docs/benchmarks.md; the
+two-process integration test prints both). The per-layer data path needs no control message in
+the push strategy; DONE rides on the last WRITE as a NIXL notification so that it is ordered
+after the data. In the pull strategy the per-layer ANNOUNCEs, DONE and D's PULLED travel here:
+one ROUTER/DEALER connection delivers a peer's messages in order, so DONE arrives after the
+ANNOUNCEs it closes.
+
+Security (docs/security.md has the threat model): with an ``auth_key`` every connection is a
+CurveZMQ session (``auth.py`` derives the key pairs from the shared key): a peer without the key
+cannot complete the handshake, so none of its bytes reach the decoder, and the session's
+ephemeral keys and nonces make a recorded message useless on any other connection (and
+encrypted on the wire, so NIXL metadata is not readable by a passive observer). Every message
+also carries its HMAC (``messages``). Without a key the channel is open to anyone who reaches
+the port: the connector refuses that on a non-loopback address unless told ``insecure``.
 
 First-token relay: P's engine sends a ``FIRST_TOKEN`` to its own worker's bound socket right
 after sampling; the I/O thread forwards it, as received, to the receiver named for that transfer
@@ -25,10 +33,20 @@ transfer's ANNOUNCEs. A ``FIRST_TOKEN`` with no route is dropped (the engine sen
 finished request; only D's asking for the token have a route).
 
 Invariants:
-- Messages that fail authentication or validation never reach the caller: they are counted
-  in ``rejected`` and logged with the reason.
-- The I/O thread never raises out of its loop on a bad peer; ``close`` stops it and closes
-  every socket with linger 0.
+- Nothing a peer sends stops the channel: frames above ``messages.MAX_MESSAGE_BYTES`` are
+  dropped by ZMQ (``MAXMSGSIZE``); a message that fails authentication or validation, whatever
+  the exception, never reaches the caller: it is counted in ``rejected`` and logged once per
+  peer with the reason.
+- No send blocks the I/O thread: a DEALER whose peer stopped reading fills its bounded queue,
+  then the channel drops that connection and reports ``PeerLost`` (its transfers fail) instead
+  of stalling every other peer.
+- A DEALER that cannot connect within ``connect_timeout_s``, whose heartbeats go unanswered for
+  ``liveness_timeout_s`` (a silent partition), or that sat unused for ``idle_close_s`` is closed
+  with its monitor and reported as ``PeerLost``; the next ``send`` to that address reconnects.
+- The I/O thread is supervised: an unexpected exception in one round is logged and the loop goes
+  on; if the thread ends for any other reason than ``close``, ``failure`` says why and ``check``
+  raises it (the adapters call it every step, so the engine stops serving instead of answering
+  200 on ``/health`` with a dead channel).
 """
 
 from __future__ import annotations
@@ -36,16 +54,29 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.transfer import messages
+from splitserve.transfer.auth import CurveKeys, PeerLog, start_authenticator
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_SNDHWM = 10_000  # messages queued per connection before the channel gives up on that peer
+_MAX_FRAME = 1 + 32 + messages.MAX_MESSAGE_BYTES
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+class SideChannelDead(RuntimeError):
+    """The side channel's I/O thread ended unexpectedly; no control message moves any more."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +99,29 @@ class Inbound:
 
 @dataclass(frozen=True)
 class PeerLost:
+    """The connection to ``peer`` is gone; ``reason`` says why (for logs and failed loads)."""
+
     peer: PeerRef
+    reason: str = "connection lost"
+
+
+@dataclass
+class _Dealer:
+    """One connection we opened, with its monitor and the clocks that prune it."""
+
+    peer: PeerRef
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    opened: float
+    last_used: float
+    handshaken: bool = False
+
+
+@dataclass
+class ChannelStats:
+    rejected: int = 0  # messages refused (bad MAC, malformed, oversized, extra frames)
+    refused_handshakes: int = 0  # connections whose CurveZMQ handshake failed (key mismatch)
+    dropped_peers: dict[str, int] = field(default_factory=dict)  # reason -> connections closed
 
 
 class SideChannel:
@@ -80,10 +133,22 @@ class SideChannel:
         bind_port: int | None,
         auth_key: bytes | None = None,
         name: str = "splitserve-side-channel",
+        *,
+        connect_timeout_s: float = 5.0,
+        liveness_timeout_s: float = 5.0,
+        idle_close_s: float = 600.0,
     ) -> None:
         self.auth_key = auth_key
-        self.rejected = 0
+        self.stats = ChannelStats()
+        self.relayed = 0
+        self.failure: str | None = None
+        self.connect_timeout_s = connect_timeout_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.idle_close_s = idle_close_s
+        self._curve = CurveKeys.derive(auth_key) if auth_key else None
+        self._peer_log = PeerLog(logger)
         self._ctx = zmq.Context()
+        self._authenticator = None
         self._outbox: collections.deque[tuple[PeerRef, bytes]] = collections.deque()
         # Two inboxes, one per role: what arrives on the bound ROUTER (peers that contact us:
         # the sender's side) and what arrives on our DEALERs (answers from peers we contacted,
@@ -97,32 +162,28 @@ class SideChannel:
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(self._wake_addr)
         self._router: zmq.Socket | None = None
+        self._router_monitor: zmq.Socket | None = None
         self.bound_port: int | None = None
         if bind_host is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            if bind_port:
-                self._router.bind(f"tcp://{bind_host}:{bind_port}")
-                self.bound_port = bind_port
-            else:
-                self.bound_port = self._router.bind_to_random_port(f"tcp://{bind_host}")
-        self._dealers: dict[tuple[str, int], zmq.Socket] = {}
+            self._open_router(bind_host, bind_port)
+        self._dealers: dict[tuple[str, int], _Dealer] = {}
         # transfer id -> receiver a FIRST_TOKEN is forwarded to (set/cleared by the sender's
         # thread, read by the I/O thread: single dict operations, atomic under the GIL)
         self._first_token_routes: dict[str, PeerRef] = {}
-        self.relayed = 0
-        self._monitors: dict[zmq.Socket, PeerRef] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def rejected(self) -> int:
+        return self.stats.rejected
 
     # -- caller side -------------------------------------------------------------------------
 
     def send(self, peer: PeerRef, message) -> None:
         """Queue ``message`` for ``peer`` (thread-safe; returns at once)."""
         self._outbox.append((peer, messages.encode(message, self.auth_key)))
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._wake()
 
     def relay_first_token(self, transfer_id: str, peer: PeerRef | None) -> None:
         """Forward ``FIRST_TOKEN`` messages for ``transfer_id`` that arrive on the bound socket
@@ -140,6 +201,11 @@ class SideChannel:
         """Answers from peers we contacted, and their loss, since the last call."""
         return self._drain(self._inbox_connected)
 
+    def check(self) -> None:
+        """Raise ``SideChannelDead`` if the I/O thread ended without ``close``."""
+        if self.failure is not None:
+            raise SideChannelDead(f"splitserve side channel stopped: {self.failure}")
+
     @staticmethod
     def _drain(inbox: collections.deque) -> list:
         out = []
@@ -147,34 +213,230 @@ class SideChannel:
             out.append(inbox.popleft())
         return out
 
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if not self._wake_send.closed:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+
     def close(self) -> None:
         self._stop.set()
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._wake()
         self._thread.join(timeout=5)
         with self._wake_lock:
             self._wake_send.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.destroy(linger=0)
+
+    # -- sockets -----------------------------------------------------------------------------
+
+    def _common_options(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
+        # ZMTP heartbeats, answered by libzmq's own threads (no GIL): a peer that stops
+        # answering for liveness_timeout_s (a silent partition) is disconnected.
+        ivl_ms = max(100, int(self.liveness_timeout_s * 1000) // 5)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.liveness_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.liveness_timeout_s * 1000))
+
+    def _open_router(self, host: str, port: int | None) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        self._common_options(router)
+        if self._curve is not None:
+            self._authenticator = start_authenticator(self._ctx, self._curve, self._peer_log)
+            self._curve.apply_server(router)
+        self._router_monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
+        if port:
+            router.bind(f"tcp://{host}:{port}")
+            self.bound_port = port
+        else:
+            self.bound_port = router.bind_to_random_port(f"tcp://{host}")
+        self._router = router
+
+    def _dealer(self, host: str, port: int) -> _Dealer:
+        dealer = self._dealers.get((host, port))
+        if dealer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            self._common_options(sock)
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.connect_timeout_s * 1000))
+            if self._curve is not None:
+                self._curve.apply_client(sock)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+            )
+            sock.connect(f"tcp://{host}:{port}")
+            now = time.monotonic()
+            dealer = _Dealer(PeerRef(host=host, port=port), sock, monitor, now, now)
+            self._dealers[(host, port)] = dealer
+        return dealer
+
+    def _drop_dealer(self, dealer: _Dealer, reason: str, *, report: bool = True) -> None:
+        """Close one connection we opened and tell the receiver its peer is gone."""
+        assert dealer.peer.host is not None and dealer.peer.port is not None
+        self._dealers.pop((dealer.peer.host, dealer.peer.port), None)
+        dealer.monitor.close(0)
+        dealer.sock.close(0)
+        kind = reason.split(":")[0]
+        self.stats.dropped_peers[kind] = self.stats.dropped_peers.get(kind, 0) + 1
+        if report:
+            self._peer_log.warn(str(dealer.peer), kind, "side channel: %s: %s", dealer.peer, reason)
+            self._inbox_connected.append(PeerLost(dealer.peer, reason))
 
     # -- I/O thread --------------------------------------------------------------------------
 
-    def _dealer(self, host: str, port: int) -> zmq.Socket:
-        sock = self._dealers.get((host, port))
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(f"tcp://{host}:{port}")
-            self._dealers[(host, port)] = sock
-            self._monitors[monitor] = PeerRef(host=host, port=port)
-        return sock
+    def _supervise(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # the thread's end is reported, never silent
+            if not self._stop.is_set():
+                self.failure = f"I/O thread died: {exc!r}"
+                logger.critical("side channel: %s", self.failure, exc_info=True)
+        finally:
+            self._close_sockets()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_recv, zmq.POLLIN)
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+            assert self._router_monitor is not None
+            poller.register(self._router_monitor, zmq.POLLIN)
+        registered: dict[zmq.Socket, _Dealer] = {}
+        next_prune = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            try:
+                self._sync_poller(poller, registered)
+                events = dict(poller.poll(_POLL_MS))
+                self._round(events, registered)
+                if time.monotonic() >= next_prune:
+                    self._prune()
+                    next_prune = time.monotonic() + 1.0
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    return
+                logger.error("side channel: ZMQ error in the I/O loop: %s", exc)
+            except Exception:  # one bad round must not end the channel for every peer
+                logger.exception("side channel: unexpected error in the I/O loop; continuing")
+
+    def _sync_poller(self, poller: zmq.Poller, registered: dict[zmq.Socket, _Dealer]) -> None:
+        live = {}
+        for dealer in self._dealers.values():
+            live[dealer.sock] = dealer
+            live[dealer.monitor] = dealer
+        for sock in list(registered):
+            if sock not in live:
+                poller.unregister(sock)
+                del registered[sock]
+        for sock, dealer in live.items():
+            if sock not in registered:
+                poller.register(sock, zmq.POLLIN)
+                registered[sock] = dealer
+
+    def _round(self, events: dict, registered: dict[zmq.Socket, _Dealer]) -> None:
+        if self._wake_recv in events:
+            while True:
+                try:
+                    self._wake_recv.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+        if self._router is not None and self._router in events:
+            self._read_router()
+        if self._router_monitor is not None and self._router_monitor in events:
+            self._read_router_monitor()
+        for sock in [s for s in events if s in registered]:
+            dealer = registered[sock]
+            if (dealer.peer.host, dealer.peer.port) not in self._dealers:
+                continue  # dropped earlier in this round
+            if sock is dealer.sock:
+                self._read_dealer(dealer)
+            else:
+                self._read_dealer_monitor(dealer)
+        self._flush_outbox()
+
+    def _read_router(self) -> None:
+        assert self._router is not None
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = PeerRef(inbound=frames[0])
+            if len(frames) != 2:
+                self._reject(peer, f"a {len(frames)}-frame message")
+                continue
+            self._accept(peer, frames[1])
+
+    def _read_router_monitor(self) -> None:
+        assert self._router_monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._router_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] & _HANDSHAKE_FAILED:
+                self.stats.refused_handshakes += 1
+                self._peer_log.warn(
+                    "inbound-handshake",
+                    "refused",
+                    "side channel: refused a connection whose handshake failed (a peer "
+                    "without our auth key, or with another one); counted, logged once a minute",
+                )
+
+    def _read_dealer(self, dealer: _Dealer) -> None:
+        while True:
+            try:
+                wire = dealer.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            dealer.last_used = time.monotonic()
+            self._accept(dealer.peer, wire)
+
+    def _read_dealer_monitor(self, dealer: _Dealer) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(dealer.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                dealer.handshaken = True
+            elif kind & _HANDSHAKE_FAILED:
+                self.stats.refused_handshakes += 1
+                self._drop_dealer(
+                    dealer,
+                    "key mismatch: the peer refused our handshake (the two sides' auth keys "
+                    "differ, or one side has none)",
+                )
+                return
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._drop_dealer(dealer, "connection lost: the peer closed it or went silent")
+                return
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for dealer in list(self._dealers.values()):
+            if not dealer.handshaken and now - dealer.opened > self.connect_timeout_s:
+                self._drop_dealer(
+                    dealer,
+                    f"unreachable: no connection within {self.connect_timeout_s:g} s",
+                )
+            elif now - dealer.last_used > self.idle_close_s:
+                self._drop_dealer(dealer, "idle", report=False)
+                self._inbox_connected.append(PeerLost(dealer.peer, "idle connection closed"))
+
+    def _reject(self, peer: PeerRef, reason: str) -> None:
+        self.stats.rejected += 1
+        self._peer_log.warn(
+            str(peer), "rejected", "side channel: rejected a message from %s: %s", peer, reason
+        )
 
     def _accept(self, peer: PeerRef, wire: bytes) -> None:
         try:
             message = messages.decode(wire, self.auth_key)
-        except messages.MessageError as exc:
-            self.rejected += 1
-            logger.warning("side channel: rejected a message from %s: %s", peer, exc)
+        except Exception as exc:  # decode raises MessageError; anything else is rejected too
+            self._reject(peer, str(exc)[:300])
             return
         if isinstance(message, messages.FirstToken) and peer.inbound is not None:
             route = self._first_token_routes.get(message.transfer_id)
@@ -192,67 +454,24 @@ class SideChannel:
                 if self._router is None:
                     logger.error("side channel: reply to %s without a bound socket", peer)
                     continue
-                self._router.send_multipart([peer.inbound, wire])
-            else:
-                assert peer.host is not None and peer.port is not None
-                self._dealer(peer.host, peer.port).send(wire)
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_recv, zmq.POLLIN)
-        if self._router is not None:
-            poller.register(self._router, zmq.POLLIN)
-        registered: set[zmq.Socket] = set()
-        while not self._stop.is_set():
-            for sock in list(self._dealers.values()) + list(self._monitors):
-                if sock not in registered:
-                    poller.register(sock, zmq.POLLIN)
-                    registered.add(sock)
-            try:
-                events = dict(poller.poll(_POLL_MS))
-            except zmq.ZMQError as exc:
-                if self._stop.is_set():
-                    return
-                logger.error("side channel poll failed: %s", exc)
+                try:  # a ROUTER drops (never blocks) when the peer's queue is full or gone
+                    self._router.send_multipart([peer.inbound, wire], zmq.NOBLOCK)
+                except zmq.Again:
+                    logger.warning("side channel: dropped a reply to %s (queue full)", peer)
                 continue
-            if self._wake_recv in events:
-                while True:
-                    try:
-                        self._wake_recv.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            if self._router is not None and self._router in events:
-                while True:
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) != 2:
-                        self.rejected += 1
-                        logger.warning("side channel: dropped a %d-frame message", len(frames))
-                        continue
-                    self._accept(PeerRef(inbound=frames[0]), frames[1])
-            for (host, port), sock in self._dealers.items():
-                if sock in events:
-                    while True:
-                        try:
-                            wire = sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._accept(PeerRef(host=host, port=port), wire)
-            for monitor, peer in self._monitors.items():
-                if monitor in events:
-                    while True:
-                        try:
-                            event = recv_monitor_message(monitor, zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        if event["event"] == zmq.EVENT_DISCONNECTED:
-                            logger.warning("side channel: lost connection to %s", peer)
-                            self._inbox_connected.append(PeerLost(peer))
-            self._flush_outbox()
-        for sock in list(self._dealers.values()) + list(self._monitors):
-            sock.close(0)
-        if self._router is not None:
-            self._router.close(0)
-        self._wake_recv.close(0)
+            assert peer.host is not None and peer.port is not None
+            dealer = self._dealer(peer.host, peer.port)
+            try:
+                dealer.sock.send(wire, zmq.NOBLOCK)
+                dealer.last_used = time.monotonic()
+            except zmq.Again:
+                self._drop_dealer(dealer, "send queue full: the peer reads nothing")
+
+    def _close_sockets(self) -> None:
+        for dealer in list(self._dealers.values()):
+            dealer.monitor.close(0)
+            dealer.sock.close(0)
+        self._dealers.clear()
+        for sock in (self._router_monitor, self._router, self._wake_recv):
+            if sock is not None:
+                sock.close(0)
