@@ -176,7 +176,8 @@ class SideChannel:
 
     @property
     def rejected(self) -> int:
-        return self.stats.rejected
+        """Everything refused: messages, and connections whose handshake failed."""
+        return self.stats.rejected + self.stats.refused_handshakes
 
     # -- caller side -------------------------------------------------------------------------
 

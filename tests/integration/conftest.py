@@ -7,7 +7,10 @@ shared pair is still running when the second module asks for it.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +34,16 @@ class SplitservePair:
     def extra_args(self) -> list[str]:
         return ["--max-model-len", "2048", "--max-num-batched-tokens", str(self.budget)]
 
+    @property
+    def key_file(self) -> str:
+        """The shared key as the connector reads it: a 0600 file (never the command line)."""
+        from splitserve.transfer.auth import write_key_file
+
+        path = Path(tempfile.gettempdir()) / f"splitserve-test-{os.getpid()}" / "auth.key"
+        if not path.exists():
+            write_key_file(path, self.auth_key)
+        return str(path)
+
     def kv_config(self, side_port: int) -> dict:
         """The pair's ``--kv-transfer-config`` (also for a third server that joins it)."""
         return {
@@ -38,7 +51,7 @@ class SplitservePair:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "side_channel_port": side_port,
-                "auth_key": self.auth_key,
+                "auth_key_file": self.key_file,
                 "lease_s": 20,
                 "done_timeout_s": 300,  # generous: other work shares these 2 cores
             },
@@ -94,7 +107,7 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
     memory and runs no NIXL progress thread, so no CPU shim and no nice level."""
     pytest.importorskip("sglang")
     pytest.importorskip("sglang_router")
-    from splitserve.connectors.sglang.launch import sglang_router, sglang_server
+    from splitserve.launch.engines import sglang_router, sglang_server
     from splitserve.netutil import free_ports
 
     group = servers.group

@@ -236,18 +236,25 @@ def test_malformed_kv_transfer_params_are_served_locally(pair):
 
 
 def test_forged_and_unannounced_registrations_are_refused(pair):
-    """A REGISTER with a bad HMAC is dropped; a signed one without HELLO gets an ABORT."""
+    """A peer without the key cannot even open a session (its REGISTER never reaches the
+    decoder, the refusal is counted); a keyed one without HELLO gets an ABORT."""
+    from splitserve.transfer.auth import CurveKeys
+
     a_url, a_side = pair["ss-a"]
     before = metric(a_url, "vllm:splitserve_messages_rejected_total")
     ctx = zmq.Context()
+    forger = ctx.socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.connect(f"tcp://127.0.0.1:{a_side}")
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    CurveKeys.derive(pair.auth_key.encode()).apply_client(sock)
     sock.connect(f"tcp://127.0.0.1:{a_side}")
     try:
         reg = messages.Register(
             transfer_id="forged", agent_name="mallory", block_ids=[[0, 1, 2]], token_offset=0
         )
-        sock.send(messages.encode(reg, b"wrong-key"))
+        forger.send(messages.encode(reg, b"wrong-key"), zmq.NOBLOCK)
         signed = messages.Register(
             transfer_id="unannounced", agent_name="mallory", block_ids=[[0]], token_offset=0
         )
@@ -261,13 +268,14 @@ def test_forged_and_unannounced_registrations_are_refused(pair):
         answer = messages.decode(sock.recv(), pair.auth_key.encode())
         assert isinstance(answer, messages.Abort) and answer.transfer_id == "unannounced"
         assert "HELLO" in answer.reason
-        assert not sock.poll(500), "the forged registration must get no answer"
+        assert not forger.poll(500), "the forger must get no answer"
     finally:
         sock.close()
+        forger.close()
         ctx.term()
     end = time.monotonic() + 30
     while metric(a_url, "vllm:splitserve_messages_rejected_total") < before + 1:
-        assert time.monotonic() < end, "forged message not counted in the metrics"
+        assert time.monotonic() < end, "refused handshake not counted in the metrics"
         time.sleep(0.5)
 
 

@@ -176,7 +176,7 @@ def test_prefill_side_puts_the_sampled_token_in_produce_end():
     assert end.first_token == 77 and end.cancel_reason is None
 
 
-def test_prefill_side_sends_the_token_to_its_own_side_channel_at_once():
+def test_prefill_side_sends_the_token_to_its_own_side_channel_at_once(monkeypatch):
     """FIRST_TOKEN goes from the scheduler half to this server's side channel (a real one on
     loopback here), which relays it to the D routed for the transfer: no engine step between."""
     import time as _time
@@ -186,10 +186,11 @@ def test_prefill_side_sends_the_token_to_its_own_side_channel_at_once():
     from splitserve.transfer import messages
     from splitserve.transfer.side_channel import Inbound, PeerRef, SideChannel
 
-    key = b"k"
+    key = b"k" * 16
     worker = SideChannel("127.0.0.1", 0, key, name="test-worker")
     d = SideChannel(None, None, key, name="test-d")
-    config = {"side_channel_port": worker.bound_port, "auth_key": "k"}
+    monkeypatch.setenv("SPLITSERVE_AUTH_KEY", "k" * 16)
+    config = {"side_channel_port": worker.bound_port}
     sched = SplitserveScheduler(parse_connector_config(config), 4)
     try:
         d.send(PeerRef(host="127.0.0.1", port=worker.bound_port), messages.Pulled(transfer_id="x"))

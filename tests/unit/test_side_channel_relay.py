@@ -80,6 +80,6 @@ def test_no_relay_after_the_route_is_cleared_and_none_for_a_forged_token(sides) 
         while worker.stats.refused_handshakes < 1 and time.monotonic() < end:
             time.sleep(0.005)
         assert worker.stats.refused_handshakes >= 1 and worker.relayed == 1
-        assert worker.rejected == 0, "no byte of the forger reached the decoder"
+        assert worker.stats.rejected == 0, "no byte of the forger reached the decoder"
     finally:
         forger.close()

@@ -6,9 +6,14 @@ key or a bad value stops start-up with an error that names it. Imports no vLLM.
 
 from __future__ import annotations
 
+import ipaddress
+from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from splitserve.transfer.auth import KEY_ENV, KEY_FILE_ENV, AuthKeyError, load_key
+from splitserve.transfer.peers import PeerAllowlist
 
 
 class ConnectorConfigError(ValueError):
@@ -29,8 +34,22 @@ class SplitserveConnectorConfig(BaseModel):
         le=65535,
         description="port of the control side channel; the proxy must know it, so it is fixed",
     )
-    auth_key: str | None = Field(
-        None, description="shared secret: every control message carries an HMAC under it"
+    auth_key_file: str | None = Field(
+        None,
+        description="file holding the deployment's shared key (mode 0600; `splitserve up` "
+        f"writes one); else ${KEY_FILE_ENV} names the file, else ${KEY_ENV} holds the key. "
+        "With a key, the side channel admits only peers that hold it (docs/security.md)",
+    )
+    insecure: bool = Field(
+        False,
+        description="allow a side channel without a key on a non-loopback address: anyone who "
+        "reaches the port is a peer. Only for a trusted, isolated lab network",
+    )
+    allowed_prefill_hosts: list[str] | None = Field(
+        None,
+        description="D connects only to prefill side channels on these hosts or CIDRs; a "
+        "request naming another remote_host is served without a transfer. Default: any host "
+        "(with a key, only peers that hold it answer)",
     )
     lease_s: float = Field(
         30.0, gt=0, description="P frees a finished request's blocks if D has not registered"
@@ -49,6 +68,54 @@ class SplitserveConnectorConfig(BaseModel):
     ucx_backend_params: dict[str, str] = Field(
         default_factory=dict, description="extra UCX backend init parameters for NIXL"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "auth_key" in data:
+            raise ValueError(
+                "auth_key: a key in --kv-transfer-config shows in `ps` and in vLLM's start-up "
+                f"log; put it in a file (auth_key_file, mode 0600) or in ${KEY_ENV}"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _allowlist_parses(self) -> SplitserveConnectorConfig:
+        if self.allowed_prefill_hosts is not None:
+            PeerAllowlist.parse(self.allowed_prefill_hosts)
+        return self
+
+    @cached_property
+    def allowlist(self) -> PeerAllowlist | None:
+        hosts = self.allowed_prefill_hosts
+        return None if hosts is None else PeerAllowlist.parse(hosts)
+
+    def load_auth_key(self) -> bytes | None:
+        """The shared key (file, then environment), checked against the bind address: a side
+        channel open to the network without a key is refused unless ``insecure``."""
+        try:
+            key = load_key(self.auth_key_file)
+        except AuthKeyError as exc:
+            raise ConnectorConfigError(f"SplitserveConnector: {exc}") from None
+        if key is None and not self.insecure and not _is_loopback(self.side_channel_host):
+            raise ConnectorConfigError(
+                f"SplitserveConnector: side_channel_host {self.side_channel_host!r} is reachable "
+                "from the network but no auth key is set: anyone who reaches the port could "
+                "read and steer KV transfers. Set one with auth_key_file (a 0600 file; "
+                f"`splitserve keygen FILE` writes one) or ${KEY_FILE_ENV} / ${KEY_ENV}, the "
+                "same on every prefill and decode server; or, on an isolated lab network only, "
+                'set "insecure": true'
+            )
+        return key
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_connector_config(extra: dict[str, Any] | None) -> SplitserveConnectorConfig:

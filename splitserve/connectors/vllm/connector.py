@@ -67,6 +67,7 @@ class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
         _route_logs_to_vllm()
         transfer_config = vllm_config.kv_transfer_config
         self.config = parse_connector_config(transfer_config.kv_connector_extra_config)
+        self.config.load_auth_key()  # a missing or unreadable key stops start-up here, clearly
         if kv_cache_config is None:
             raise ValueError("SplitserveConnector needs the KV cache config (vLLM >= 0.32)")
         groups = kv_cache_config.kv_cache_groups

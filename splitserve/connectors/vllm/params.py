@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.transfer.peers import PeerAllowlist
+
 
 class KVParamsError(ValueError):
     """``kv_transfer_params`` are malformed."""
@@ -49,13 +51,23 @@ def _transfer_id(params: dict[str, Any], *, required: bool) -> str:
     return tid
 
 
-def receive_params(params: dict[str, Any] | None) -> ReceiveParams | None:
-    """The D-side params of a request (None when it is not a remote prefill)."""
+def receive_params(
+    params: dict[str, Any] | None, allowlist: PeerAllowlist | None = None
+) -> ReceiveParams | None:
+    """The D-side params of a request (None when it is not a remote prefill). With an
+    ``allowlist``, a ``remote_host`` outside it is refused (D never contacts it)."""
     if not params or not params.get("do_remote_prefill"):
         return None
     host, port = params.get("remote_host"), params.get("remote_port")
     if not isinstance(host, str) or not host:
         raise KVParamsError(f"remote_host must be a non-empty string, got {host!r}")
+    if len(host) > 253:
+        raise KVParamsError(f"remote_host of {len(host)} characters")
+    if allowlist is not None and not allowlist.allows(host):
+        raise KVParamsError(
+            f"remote_host {host!r} is not an allowed prefill host (allowed_prefill_hosts: "
+            f"{allowlist})"
+        )
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise KVParamsError(f"remote_port must be an int in 1..65535, got {port!r}")
     first = params.get("first_token_from_prefill", False)
