@@ -1,0 +1,121 @@
+"""A P/D pair of vLLM servers per connector, and a splitserve proxy in front of a pair.
+
+Each server's whole process tree is pinned to its own core, as if P and D were separate hosts
+(``start_pair`` says why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from splitserve.launch.group import ServerGroup
+from splitserve.netutil import free_ports
+from splitserve.proxy.config import build_config
+from splitserve.proxy.background import BackgroundProxy
+
+START_TIMEOUT = 900.0
+
+
+def splitserve_kv(side_channel_port: int, direction: str = "auto") -> dict:
+    """``SplitserveConnector``'s config on a server whose side channel is on that port."""
+    extra: dict[str, Any] = {
+        "side_channel_port": side_channel_port,
+        # Generous deadlines: a loaded machine must show up as slow, not as failed loads.
+        "lease_s": 600,
+        "done_timeout_s": 900,
+    }
+    if direction != "auto":
+        extra["direction"] = direction
+    return {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def nixl_kv(connector: str, role: str) -> dict:
+    """Stock connector config. ``NixlPushConnector`` is one-way (P a producer, D a consumer),
+    holds P's blocks for ``kv_lease_duration`` (prefill here takes up to a minute) and fails a
+    D that no push reached within ``push_registration_timeout``."""
+    if connector != "NixlPushConnector":
+        return {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return {
+        "kv_connector": connector,
+        "kv_role": "kv_producer" if role == "p" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": 600, "push_registration_timeout": 300},
+    }
+
+
+def nixl_push_available() -> bool:
+    """Whether the installed vLLM has ``NixlPushConnector``."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        KVConnectorFactory.get_connector_class_by_name("NixlPushConnector")
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+def start_pair(
+    group: ServerGroup,
+    name: str,
+    model: Path,
+    kind: str,
+    env: dict,
+    max_len: int = 8192,
+    kv_gib: int = 4,
+    direction: str = "auto",
+) -> dict:
+    """P on core 0, D on core 1; returns urls and P's side channel port.
+
+    Each server's whole process tree is pinned to its core (not only its OpenMP threads), as
+    if P and D were separate hosts: a D whose requests wait for KV steps vLLM's engine loop
+    and its shared-memory queues busy-poll for a second after every message, which on a
+    shared core would slow P's prefill (measured: docs/benchmarks.md, "Handoff"). The colocated
+    row uses the same P server, so it gets the same one core."""
+    http = free_ports(2)
+    side = free_ports(2)
+    extra = ["--max-model-len", str(max_len), "--max-num-batched-tokens", "2048"]
+    servers = {}
+    for role, core in (("p", 0), ("d", 1)):
+        server_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
+        if kind == "splitserve":
+            kv = splitserve_kv(side[core], direction)
+        else:
+            kv = nixl_kv(kind, role)
+            server_env.update(
+                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(side[core]),
+            )
+        servers[role] = group.add_vllm(
+            f"{name}-{role}",
+            str(model),
+            port=http[core],
+            served_model_name="bench",
+            kv_transfer_config=kv,
+            extra_args=extra,
+            cpu_core=core,
+            cpus=[core],
+            env=server_env,
+        )
+    group.wait(START_TIMEOUT, names=[f"{name}-p", f"{name}-d"])
+    return {"p": servers["p"].url, "d": servers["d"].url, "p_side": side[0]}
+
+
+def start_proxy(pair: dict, first_token: bool, started: list) -> str:
+    """A splitserve proxy (concurrent flow) in this process, in front of the pair."""
+    config = build_config(
+        {
+            "port": 0,
+            "flow": "concurrent",
+            "first_token_from_prefill": first_token,
+            "prefill": [{"url": pair["p"], "side_channel_port": pair["p_side"]}],
+            "decode": [{"url": pair["d"]}],
+        }
+    )
+    proxy = BackgroundProxy(config).start()
+    started.append(proxy)
+    return proxy.url
