@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from common.plotting import pyplot
 
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
@@ -295,12 +296,8 @@ def markdown_table(rows: list[dict], best_rival: str | None) -> str:
 
 
 def maybe_plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         logger.warning("matplotlib is not installed: no PNG plot (the table has the figures)")
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
