@@ -11,22 +11,24 @@ time (UCX ``cma``, host memory here) it finds them done at once, but over ``tcp`
 rendezvous) a posted WRITE moves only while someone calls into NIXL, so without it a layer
 posted during the forward would wait for the step's end. The same thread also runs while a peer
 pulls from our memory (``hold_progress``): over ``cma`` a READ posted by the peer is reported
-done only if this side calls into NIXL at least every ~30 ms (DESIGN.md), and the side that
-announced the blocks is computing; it then calls ``get_new_notifs`` every ``serve_interval_s``
-and keeps what it returns for ``notifications``. That interval is longer than the WRITE one
-because each round costs the computing thread on the same core (measured with a one-core
-compute loop: +5% at 1 ms, +1.8% at 5 ms, +0.8% at 20 ms), while the peer's READ has already
-copied its bytes at post and only waits for its completion to be reported. An urgent hold
-(``hold_progress(urgent=True)``: the side computes no more for that transfer, D's last READs
-are on the critical path) rounds every ``progress_interval_s``; ``linger_progress(seconds)``
-keeps the slow rounds going a while after the last hold (a pull that ended without the peer
-saying its READs were done: they must still complete on its side). Every call into
-the NIXL agent holds one lock (the agent is made without NIXL's own thread safety).
+done only if this side calls into NIXL often enough (DESIGN.md gives the bound), and the side
+that announced the blocks is computing; it then calls ``get_new_notifs`` every
+``serve_interval_s`` and keeps what it returns for ``notifications``. That interval is longer
+than the WRITE one because each round costs the computing thread on the same core (the cost
+per interval is measured in docs/benchmarks.md, "First token from the prefill server"), while
+the peer's READ has already copied its bytes at post and only waits for its completion to be
+reported. An urgent hold (``hold_progress(urgent=True)``: the side computes no more for that
+transfer, D's last READs are on the critical path) rounds every ``progress_interval_s``;
+``linger_progress(seconds)`` keeps the slow rounds going a while after the last hold (a pull
+that ended without the peer saying its READs were done: they must still complete on its
+side). Every call into the NIXL agent holds one lock (the agent is made without NIXL's own
+thread safety).
 
 Invariants:
 - Every block id is validated against the layer of the layout it indexes before anything is
   posted (layers may hold different numbers of blocks, see ``KVLayout``).
-- A handle is released exactly once, by ``release``; a failed post leaves nothing behind.
+- A handle is released exactly once, by ``release`` (or ``settle``, which releases the handles
+  it finds finished); a failed post leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -187,6 +189,11 @@ class KVAgent:
             self._peers[agent_name] = _Peer(agent_name, layout, index, dlist)
         return agent_name
 
+    def peer_layout(self, agent_name: str) -> KVLayout | None:
+        """The KV layout a peer declared when it was added (``None``: no such peer)."""
+        peer = self._peers.get(agent_name)
+        return peer.layout if peer is not None else None
+
     def remove_peer(self, agent_name: str) -> None:
         with self._lock:
             peer = self._peers.pop(agent_name, None)
@@ -273,6 +280,23 @@ class KVAgent:
             handle.settled = state
             self._in_flight.pop(id(handle), None)
         return state
+
+    def settle(self, handles: Sequence[XferHandle]) -> tuple[list[XferHandle], list[XferHandle]]:
+        """Check each handle, release those that finished; answers (still in flight, failed).
+
+        The one place where the sender and the receiver retire their posts: a handle leaves
+        the caller's list exactly when it is released here."""
+        pending: list[XferHandle] = []
+        failed: list[XferHandle] = []
+        for handle in handles:
+            state = self.check(handle)
+            if state == "PROC":
+                pending.append(handle)
+                continue
+            self.release(handle)
+            if state == "ERR":
+                failed.append(handle)
+        return pending, failed
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:

@@ -469,18 +469,9 @@ class KVReceiver:
     def _progress_pull(self, inc: _Incoming) -> None:
         """Settle finished READs; complete on DONE with none in flight; release a held outcome
         once the last READ is done."""
-        pending, failed = [], None
-        for handle in inc.reads:
-            state = self.agent.check(handle)
-            if state == "PROC":
-                pending.append(handle)
-                continue
-            self.agent.release(handle)
-            if state == "ERR":
-                failed = f"READ from prefill side {inc.peer} failed"
-        inc.reads = pending
-        if failed is not None and inc.record.state is S.REGISTERED:
-            self._fail_pull(inc, failed)
+        inc.reads, failed = self.agent.settle(inc.reads)
+        if failed and inc.record.state is S.REGISTERED:
+            self._fail_pull(inc, f"READ from prefill side {inc.peer} failed")
         if inc.reads:
             return
         if inc.final is not None:

@@ -2,10 +2,15 @@
 
 Engine-agnostic; used by the sender (P) and the receiver (D) in whatever process runs them.
 
-Sender (P):   AWAITING_REGISTRATION -> STREAMING -> FLUSHING -> COMPLETED
+Sender (P):   AWAITING_REGISTRATION -> STREAMING -> FLUSHING -> CLOSING -> COMPLETED
+              (FLUSHING: every block is out; CLOSING: DONE is on its way, on the final WRITE
+              (push) or after the last ANNOUNCE (pull), until it completes or D says PULLED)
+              AWAITING_REGISTRATION -> COMPLETED (D needs no blocks)
+              FLUSHING -> COMPLETED (pull: D said PULLED before DONE, it had the first token)
               any non-terminal -> ABORTED (D said ABORT, or P's request was cancelled)
               AWAITING_REGISTRATION -> EXPIRED (no registration within the lease)
-              STREAMING / FLUSHING -> FAILED (a WRITE failed, registration invalid)
+              CLOSING -> EXPIRED (pull: no PULLED within the lease after DONE)
+              STREAMING / FLUSHING / CLOSING -> FAILED (a WRITE failed, registration invalid)
 Receiver (D): REGISTERED -> COMPLETED (DONE arrived)
               REGISTERED -> FAILED (P sent ABORT, P's process died)
               REGISTERED -> EXPIRED (no DONE within done_timeout_s)
@@ -31,6 +36,7 @@ class TransferState(enum.Enum):
     AWAITING_REGISTRATION = "awaiting_registration"
     STREAMING = "streaming"
     FLUSHING = "flushing"
+    CLOSING = "closing"
     REGISTERED = "registered"
     COMPLETED = "completed"
     ABORTED = "aborted"
@@ -53,7 +59,8 @@ _S = TransferState
 _ALLOWED: dict[TransferState, set[TransferState]] = {
     _S.AWAITING_REGISTRATION: {_S.STREAMING, _S.COMPLETED, _S.ABORTED, _S.EXPIRED, _S.FAILED},
     _S.STREAMING: {_S.FLUSHING, _S.ABORTED, _S.FAILED, _S.EXPIRED},
-    _S.FLUSHING: {_S.COMPLETED, _S.ABORTED, _S.FAILED, _S.EXPIRED},
+    _S.FLUSHING: {_S.CLOSING, _S.COMPLETED, _S.ABORTED, _S.FAILED, _S.EXPIRED},
+    _S.CLOSING: {_S.COMPLETED, _S.ABORTED, _S.FAILED, _S.EXPIRED},
     _S.REGISTERED: {_S.COMPLETED, _S.FAILED, _S.EXPIRED, _S.ABORTED},
 }
 

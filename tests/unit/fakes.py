@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.side_channel import Inbound
 
@@ -73,8 +74,14 @@ class FakeAgent:
     def linger_progress(self, seconds: float) -> None:
         self.lingered = seconds
 
+    def peer_layout(self, agent_name: str) -> KVLayout | None:
+        peer = self._peers.get(agent_name)
+        return peer.layout if peer is not None else None
+
     def check(self, handle: FakeHandle) -> str:
         return handle.state
+
+    settle = KVAgent.settle  # the real one: it only calls check and release
 
     def release(self, handle: FakeHandle) -> None:
         pass
