@@ -1,7 +1,7 @@
 """SGLang rows of the handoff benchmark (``benchmarks/handoff.py`` runs them with its own rows).
 
 Same model preset (``bench``), prompt lengths, fresh random prompts and greedy decoding as the
-vLLM rows, on one machine; SGLang servers on the CPU (``splitserve.connectors.sglang.launch``):
+vLLM rows, on one machine; SGLang servers on the CPU (``splitserve.launch.engines``):
 
 - ``sglang-colocated``: one unified SGLang server (no transfer), the reference;
 - ``sglang-splitserve``: a PD pair with ``--disaggregation-transfer-backend splitserve`` (our
@@ -184,7 +184,7 @@ def _pd(pair: dict, body: dict, log: Path | None) -> dict:
 
 
 def _server(model: Path, port: int, max_tokens: int, env: dict, **kw):
-    from splitserve.connectors.sglang.launch import sglang_server
+    from splitserve.launch.engines import sglang_server
 
     return sglang_server(
         str(model),

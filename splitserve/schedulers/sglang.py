@@ -2,7 +2,7 @@
 per-step chunk budget) comes from :class:`~splitserve.schedulers.policy.BudgetPolicy`.
 
 Runs in SGLang's scheduler process (one per TP rank). It is installed by the splitserve SGLang
-plugin (``splitserve.connectors.sglang.plugin``) through SGLang's ``HookRegistry``, only when the
+plugin (``splitserve.plugins.register_sglang``) through SGLang's ``HookRegistry``, only when the
 user switches it on:
 
 - ``SPLITSERVE_ADAPTIVE_BUDGET=1`` (also true/yes/on; 0/false/no/off or unset: off) in the

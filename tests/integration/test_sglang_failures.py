@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from splitserve.connectors.sglang.launch import sglang_server  # noqa: E402
+from splitserve.launch.engines import sglang_server  # noqa: E402
 from splitserve.netutil import free_port, free_ports  # noqa: E402
 
 pytestmark = pytest.mark.integration

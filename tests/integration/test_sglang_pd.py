@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("sglang")
 pytest.importorskip("sglang_router")
 
-from splitserve.connectors.sglang.launch import sglang_server  # noqa: E402
+from splitserve.launch.engines import sglang_server  # noqa: E402
 from splitserve.netutil import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration

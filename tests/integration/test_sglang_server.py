@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from splitserve.connectors.sglang.launch import sglang_server  # noqa: E402
+from splitserve.launch.engines import sglang_server  # noqa: E402
 from splitserve.launch.process import ProcessStartError  # noqa: E402
 from splitserve.netutil import free_port  # noqa: E402
 

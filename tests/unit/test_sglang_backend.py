@@ -82,9 +82,10 @@ def test_plugin_registers_the_backend_name_and_classes():
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
 
-    from splitserve.connectors.sglang import conn, plugin
+    from splitserve import plugins
+    from splitserve.connectors.sglang import conn
 
-    plugin.register()
+    plugins.register_sglang()
     HookRegistry.apply_hooks()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)

@@ -1,6 +1,6 @@
 """Adds an out-of-tree transfer backend to a stock SGLang: enum member, CLI choice, class lookup.
 
-Runs in every SGLang process, from the splitserve plugin (``plugin.register``), before SGLang
+Runs in every SGLang process, from the splitserve plugin (``splitserve.plugins``), before SGLang
 parses its arguments and applies its hooks. SGLang 0.5.23 has no registration API for transfer
 backends: ``TransferBackend`` is a closed enum, the CLI choices a module-level list, and
 ``get_kv_class(backend, KVClassType)`` an if-chain. So a backend is added in three steps:
