@@ -11,8 +11,8 @@ from typing import Any
 
 from splitserve.launch.group import ServerGroup
 from splitserve.netutil import free_ports
-from splitserve.proxy.config import build_config
 from splitserve.proxy.background import BackgroundProxy
+from splitserve.proxy.config import build_config
 
 START_TIMEOUT = 900.0
 

@@ -14,6 +14,9 @@ import json
 
 from aiohttp import web
 
+from splitserve.proxy.http.messages import Request, Response, StreamResponse
+from splitserve.proxy.http.server import HTTPServer
+
 STREAM_CHUNKS = 8
 
 
@@ -98,9 +101,6 @@ def run_fast_stub(port: int) -> None:
     """The same stub on splitserve's own HTTP server: a fraction of aiohttp's CPU per request, so
     the proxies, not the stubs, decide the throughput."""
     import uvloop
-
-    from splitserve.proxy.http.messages import Request, Response, StreamResponse
-    from splitserve.proxy.http.server import HTTPServer
 
     answer_p, answer_d, chunks = stub_answers()
 
