@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 from pydantic import ValidationError
@@ -19,6 +19,8 @@ from splitserve.planner.catalog import (
     ACCELERATORS,
     LINKS,
     MODELS,
+    Link,
+    ModelShape,
     PlannerInputError,
     custom_link,
     explain_validation,
@@ -27,9 +29,12 @@ from splitserve.planner.catalog import (
     get_model,
 )
 from splitserve.planner.kv import KV_DTYPE_BYTES
-from splitserve.planner.plan import make_plan
+from splitserve.planner.plan import Plan, make_plan
 from splitserve.planner.pools import Slo, Workload
 from splitserve.planner.report import render_json, render_text
+
+if TYPE_CHECKING:  # calibrate imports torch and NIXL: only when --calibrate asks
+    from splitserve.planner.calibrate import CalibrationResult
 
 logger = logging.getLogger(__name__)
 
@@ -168,39 +173,24 @@ def plan(
         workload = Workload(
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, request_rate=rate
         )
-        slo_fields: dict[str, float] = {}
-        if ttft_ms is not None:
-            slo_fields["ttft_s"] = ttft_ms / 1e3
-        if itl_ms is not None:
-            slo_fields["itl_s"] = itl_ms / 1e3
+        slo_fields = _slo_fields(ttft_ms, itl_ms)
         slo = Slo(**slo_fields)
-        calibration: dict[str, Any] | None = None
         weight_bytes = WEIGHT_DTYPE_BYTES[weight_dtype.lower()]
+        measured: CalibrationResult | None = None
         if calibrate:
-            from splitserve.planner.calibrate import CalibrationError, calibrate_machine
-
-            try:
-                result = calibrate_machine(
-                    model,
-                    kv_dtype=kv_dtype,
-                    device=calibrate_device,
-                    tokens=_int_list("--calibrate-tokens", calibrate_tokens),
-                    budget_s=calibrate_budget_s,
-                    nixl_sizes=[n << 20 for n in _int_list("--nixl-sizes-mib", nixl_sizes_mib)],
-                    handoff_results=Path(handoff_results) if handoff_results else None,
-                )
-            except CalibrationError as e:
-                raise click.ClickException(str(e)) from None
-            acc, calibration = result.accelerator, result.to_dict()
-            link_given = (
-                link_gbps is not None
-                or click.get_current_context().get_parameter_source("link_name")
-                == click.core.ParameterSource.COMMANDLINE
+            measured = _calibrate(
+                model,
+                kv_dtype=kv_dtype,
+                device=calibrate_device,
+                tokens=calibrate_tokens,
+                budget_s=calibrate_budget_s,
+                nixl_sizes_mib=nixl_sizes_mib,
+                handoff_results=handoff_results,
             )
-            if not link_given:
-                link = result.link
+            acc, weight_bytes = measured.accelerator, measured.weight_bytes
+            if not _link_given(link_gbps):
+                link = measured.link
             gpus_per_replica, efficiency = 1, 1.0
-            weight_bytes = result.weight_bytes
         elif handoff_results:
             raise PlannerInputError(
                 "--handoff-results needs --calibrate (it checks measured "
@@ -222,16 +212,68 @@ def plan(
         raise click.ClickException(str(e)) from None
     except ValidationError as e:
         raise click.ClickException(explain_validation(e)) from None
-    if calibration is not None:
-        result_plan.calibration = calibration
-        used = "hardware and link figures" if link is result.link else "hardware figures"
-        result_plan.assumptions.insert(
-            0,
-            f"calibrated: {used} measured on this machine (see Calibration); --gpu, "
-            "--gpus-per-replica and --efficiency are not used"
-            + ("" if link is result.link else f"; KV link {link.name} as given"),
-        )
+    if measured is not None:
+        _attach_calibration(result_plan, measured, link)
     click.echo(render_json(result_plan) if as_json else render_text(result_plan))
+
+
+def _slo_fields(ttft_ms: float | None, itl_ms: float | None) -> dict[str, float]:
+    """The SLO targets given on the command line, in seconds (the rest keep their defaults)."""
+    fields: dict[str, float] = {}
+    if ttft_ms is not None:
+        fields["ttft_s"] = ttft_ms / 1e3
+    if itl_ms is not None:
+        fields["itl_s"] = itl_ms / 1e3
+    return fields
+
+
+def _link_given(link_gbps: float | None) -> bool:
+    """Whether the user chose the KV link (``--link`` or ``--link-gbps``), which a calibrated
+    plan then keeps instead of the measured one."""
+    return (
+        link_gbps is not None
+        or click.get_current_context().get_parameter_source("link_name")
+        == click.core.ParameterSource.COMMANDLINE
+    )
+
+
+def _calibrate(
+    model: ModelShape,
+    *,
+    kv_dtype: str,
+    device: str,
+    tokens: str,
+    budget_s: float,
+    nixl_sizes_mib: str,
+    handoff_results: str | None,
+) -> CalibrationResult:
+    """Measure this machine (imports torch and NIXL only now); a failure is one ``Error:``."""
+    from splitserve.planner.calibrate import CalibrationError, calibrate_machine
+
+    try:
+        return calibrate_machine(
+            model,
+            kv_dtype=kv_dtype,
+            device=device,
+            tokens=_int_list("--calibrate-tokens", tokens),
+            budget_s=budget_s,
+            nixl_sizes=[n << 20 for n in _int_list("--nixl-sizes-mib", nixl_sizes_mib)],
+            handoff_results=Path(handoff_results) if handoff_results else None,
+        )
+    except CalibrationError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _attach_calibration(result_plan: Plan, measured: CalibrationResult, link: Link) -> None:
+    """The measurements beside the plan, and first among its assumptions what they replaced."""
+    result_plan.calibration = measured.to_dict()
+    used = "hardware and link figures" if link is measured.link else "hardware figures"
+    result_plan.assumptions.insert(
+        0,
+        f"calibrated: {used} measured on this machine (see Calibration); --gpu, "
+        "--gpus-per-replica and --efficiency are not used"
+        + ("" if link is measured.link else f"; KV link {link.name} as given"),
+    )
 
 
 def _int_list(option: str, text: str) -> list[int]:
