@@ -27,6 +27,9 @@ step it is scheduled in adds a ``ProduceStep`` (block table, tokens complete aft
 this server's side channel, and ends with ``ProduceEnd``. The worker reports the request in
 ``finished_sending`` when its transfer settled; only then does vLLM free the blocks.
 
+State: one ``_Tracked`` record per request, keyed by vLLM's request id (every hook here gets
+the ``Request``), with a ``Phase``; a request's end is the deletion of its record.
+
 Invariants:
 - ``get_num_new_matched_tokens`` has no side effects (vLLM may call it repeatedly).
 - Every request we asked vLLM to hold blocks for is tracked until the worker releases it, and
@@ -41,6 +44,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from splitserve.connectors.vllm.config import SplitserveConnectorConfig
@@ -62,7 +67,7 @@ from splitserve.connectors.vllm.params import (
     receive_params,
     tokens_to_receive,
 )
-from splitserve.transfer.messages import FirstToken, key_bytes
+from splitserve.transfer.messages import FirstToken
 from splitserve.transfer.side_channel import PeerRef, SideChannel
 
 if TYPE_CHECKING:
@@ -74,6 +79,36 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class Phase(Enum):
+    """Where a tracked request stands (one ``_Tracked`` record per request id)."""
+
+    REJECTED = "rejected"  # malformed kv_transfer_params, served locally (error logged once)
+    # P side
+    PRODUCING = "producing"  # its KV streams to D under transfer_id while it runs
+    DROPPED = "dropped"  # preempted while producing: transfer cancelled, no new one
+    HELD = "held"  # finished; vLLM holds its blocks until the worker reports it sent
+    # D side
+    LOADING = "loading"  # registered with P; the load is pending
+    LOADED = "loaded"  # past allocation, nothing pending (loaded, failed, or nothing to load)
+    ABORTING = "aborting"  # finished (aborted) while loading; blocks held until P acknowledged
+
+
+# Phases in which vLLM holds the request's blocks for us after it finished.
+_HOLDING = (Phase.HELD, Phase.ABORTING)
+
+
+@dataclass
+class _Tracked:
+    """One request's connector state; ``request_finished`` (or the worker's report for a
+    request whose blocks vLLM holds) deletes it."""
+
+    phase: Phase
+    request: Request | None = None  # P: its computed tokens; D: to continue from P's token
+    transfer_id: str | None = None
+    params: ReceiveParams | None = None  # D: P's side channel, what it asked for
+    first_token: int | None = None  # D: P's first output token, once the worker reported it
+
+
 class SplitserveScheduler:
     """The scheduler-side state of one engine (see module docstring)."""
 
@@ -82,30 +117,22 @@ class SplitserveScheduler:
         self.block_size = block_size
         self.kv_cache_manager: KVCacheManager | None = None
         self._meta = SplitserveConnectorMetadata()
-        # D side
-        self._receiving: dict[str, ReceiveParams] = {}  # req_id -> P, while a load is pending
-        self._receive_started: set[str] = set()
-        self._rejected_params: set[str] = set()
-        # first_token_from_prefill: req_id -> request while its load runs; tokens that came
-        self._continuing: dict[str, Request] = {}
-        self._first_tokens: dict[str, int] = {}
-        # P side
-        # req_id -> (transfer_id, request), while the request runs
-        self._producing: dict[str, tuple[str, Request]] = {}
-        self._held: set[str] = set()  # req_ids whose blocks vLLM holds for us
-        self._dropped: set[str] = set()  # preempted producers: their transfer was cancelled
-        self._aborting: set[str] = set()  # D requests aborted while waiting, not yet released
+        self._requests: dict[str, _Tracked] = {}  # by vLLM request id
         self._relay: SideChannel | None = None  # P: FIRST_TOKEN to our own side channel
         self._relay_peer: PeerRef | None = None
+
+    def _phase(self, req_id: str) -> Phase | None:
+        tracked = self._requests.get(req_id)
+        return None if tracked is None else tracked.phase
 
     # -- D side --------------------------------------------------------------------------------
 
     def _receive_params(self, request: Request) -> ReceiveParams | None:
         try:
-            return receive_params(request.kv_transfer_params)
+            return receive_params(request.kv_transfer_params, self.config.allowlist)
         except KVParamsError as exc:
-            if request.request_id not in self._rejected_params:
-                self._rejected_params.add(request.request_id)
+            if request.request_id not in self._requests:
+                self._requests[request.request_id] = _Tracked(Phase.REJECTED)
                 logger.error(
                     "request %s: malformed kv_transfer_params, serving it locally: %s",
                     request.request_id,
@@ -116,7 +143,7 @@ class SplitserveScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        if request.request_id in self._receive_started:
+        if self._phase(request.request_id) in (Phase.LOADING, Phase.LOADED):
             return 0, False
         params = self._receive_params(request)
         if params is None:
@@ -131,12 +158,13 @@ class SplitserveScheduler:
         req_id = request.request_id
         if self._produce_start(request):
             return
-        if req_id in self._receive_started:
+        if self._phase(req_id) in (Phase.LOADING, Phase.LOADED):
             return
         params = self._receive_params(request)
         if params is None:
             return
-        self._receive_started.add(req_id)
+        tracked = _Tracked(Phase.LOADED, request, params.transfer_id, params)
+        self._requests[req_id] = tracked
         first = params.first_token_from_prefill
         if first and (request.prompt_token_ids is None or request.max_tokens < 2):
             # No room for a token of D's own after P's (or a prompt of embeddings): fail the
@@ -147,16 +175,12 @@ class SplitserveScheduler:
                 req_id,
                 request.max_tokens,
             )
-            self._meta.receive_release.append(
-                ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
-            )
+            self._meta.receive_release.append(_release(params))
             self._meta.receive_fail.append(req_id)
             return
         if num_external_tokens <= 0:
             # Nothing to load (full local hit, or a 1-token prompt): let P free now.
-            self._meta.receive_release.append(
-                ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
-            )
+            self._meta.receive_release.append(_release(params))
             return
         local_tokens = tokens_to_receive(request.num_prompt_tokens, first) - num_external_tokens
         logical = blocks_to_receive(request.num_prompt_tokens, local_tokens, self.block_size, first)
@@ -166,9 +190,7 @@ class SplitserveScheduler:
                 f"request {req_id}: cannot map {num_external_tokens} external tokens onto "
                 f"{len(block_ids)} blocks from token {local_tokens}"
             )
-        self._receiving[req_id] = params
-        if first:
-            self._continuing[req_id] = request
+        tracked.phase = Phase.LOADING
         self._meta.receive_start.append(
             ReceiveStart(
                 req_id=req_id,
@@ -186,9 +208,10 @@ class SplitserveScheduler:
     def _produce_start(self, request: Request) -> bool:
         """Track a P-side request on its first allocation; True if it is one."""
         req_id = request.request_id
-        if req_id in self._producing:
+        phase = self._phase(req_id)
+        if phase is Phase.PRODUCING:
             return True
-        if req_id in self._dropped:
+        if phase is Phase.DROPPED:
             return False
         try:
             params = produce_params(request.kv_transfer_params)
@@ -197,7 +220,7 @@ class SplitserveScheduler:
             return False
         if params is None:
             return False
-        self._producing[req_id] = (params.transfer_id, request)
+        self._requests[req_id] = _Tracked(Phase.PRODUCING, request, params.transfer_id)
         self._meta.produce_start.append(
             ProduceStart(req_id, params.transfer_id, request.num_prompt_tokens)
         )
@@ -207,25 +230,27 @@ class SplitserveScheduler:
         self, scheduler_output: SchedulerOutput
     ) -> SplitserveConnectorMetadata:
         meta, self._meta = self._meta, SplitserveConnectorMetadata()
-        preempted = scheduler_output.preempted_req_ids or set()
-        for req_id in list(self._producing):
-            if req_id in preempted:
+        for req_id in scheduler_output.preempted_req_ids or ():
+            tracked = self._requests.get(req_id)
+            if tracked is not None and tracked.phase is Phase.PRODUCING:
                 # Its blocks are gone: the transfer cannot be completed from them.
-                tid, _ = self._producing.pop(req_id)
-                self._dropped.add(req_id)
-                meta.produce_end.append(ProduceEnd(req_id, tid, False, "preempted on prefill"))
-        if self._producing and self.kv_cache_manager is not None:
+                tracked.phase = Phase.DROPPED
+                assert tracked.transfer_id is not None
+                meta.produce_end.append(
+                    ProduceEnd(req_id, tracked.transfer_id, False, "preempted on prefill")
+                )
+        if self.kv_cache_manager is not None:
             for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                entry = self._producing.get(req_id)
-                if entry is None:
+                tracked = self._requests.get(req_id)
+                if tracked is None or tracked.phase is not Phase.PRODUCING:
                     continue
-                tid, request = entry
+                assert tracked.request is not None and tracked.transfer_id is not None
                 meta.produce_steps.append(
                     ProduceStep(
                         req_id=req_id,
-                        transfer_id=tid,
+                        transfer_id=tracked.transfer_id,
                         block_ids=list(self.kv_cache_manager.get_block_ids(req_id)[0]),
-                        computed_after_step=request.num_computed_tokens + num_tokens,
+                        computed_after_step=tracked.request.num_computed_tokens + num_tokens,
                     )
                 )
         return meta
@@ -236,44 +261,45 @@ class SplitserveScheduler:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
-        if req_id in self._receive_started:  # D side
-            self._receive_started.discard(req_id)
-            self._continuing.pop(req_id, None)
-            self._first_tokens.pop(req_id, None)
-            params = self._receiving.pop(req_id, None)
-            if params is not None and request.status == RequestStatus.FINISHED_ABORTED:
+        tracked = self._requests.get(req_id)
+        phase = None if tracked is None else tracked.phase
+        if phase in (Phase.LOADING, Phase.LOADED):  # D side
+            assert tracked is not None and tracked.transfer_id is not None
+            if phase is Phase.LOADING and request.status == RequestStatus.FINISHED_ABORTED:
                 # Still waiting for P: the worker aborts and reports it finished receiving
                 # once P acknowledged; vLLM holds the blocks until then.
-                self._meta.receive_abort.append(ReceiveAbort(req_id, params.transfer_id))
-                self._aborting.add(req_id)
+                self._meta.receive_abort.append(ReceiveAbort(req_id, tracked.transfer_id))
+                self._requests[req_id] = _Tracked(Phase.ABORTING)
+            else:
+                del self._requests[req_id]
             return False, None
-        if req_id not in self._producing:
-            self._dropped.discard(req_id)
+        if phase is not Phase.PRODUCING:
             params = self._receive_params(request)
-            self._rejected_params.discard(req_id)
+            self._requests.pop(req_id, None)
             if params is not None:
                 # A D request that ended before it was ever allocated: let P free its blocks.
-                self._meta.receive_release.append(
-                    ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
-                )
+                self._meta.receive_release.append(_release(params))
             return False, None
-        tid, _ = self._producing.pop(req_id)
-        self._held.add(req_id)
+        assert tracked is not None and tracked.transfer_id is not None
+        transfer_id = tracked.transfer_id
+        self._requests[req_id] = _Tracked(Phase.HELD)
         if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             outputs = request.output_token_ids
             first_token = int(outputs[0]) if outputs else None
-            self._meta.produce_end.append(ProduceEnd(req_id, tid, True, first_token=first_token))
+            self._meta.produce_end.append(
+                ProduceEnd(req_id, transfer_id, True, first_token=first_token)
+            )
             if first_token is not None:
-                self._send_first_token(tid, first_token)
+                self._send_first_token(transfer_id, first_token)
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
-                "transfer_id": tid,
+                "transfer_id": transfer_id,
                 "remote_host": self.config.side_channel_host,
                 "remote_port": self.config.side_channel_port,
             }
         reason = f"prefill request ended with status {request.status.name}"
-        self._meta.produce_end.append(ProduceEnd(req_id, tid, True, reason))
+        self._meta.produce_end.append(ProduceEnd(req_id, transfer_id, True, reason))
         return True, None
 
     def _send_first_token(self, transfer_id: str, token: int) -> None:
@@ -283,7 +309,7 @@ class SplitserveScheduler:
             connect = "127.0.0.1" if host in ("0.0.0.0", "*", "") else host
             self._relay_peer = PeerRef(host=connect, port=self.config.side_channel_port)
             self._relay = SideChannel(
-                None, None, key_bytes(self.config.auth_key), name="splitserve-first-token"
+                None, None, self.config.load_auth_key(), name="splitserve-first-token"
             )
         self._relay.receive_connected()  # nothing answers; drop a PeerLost at shutdown
         self._relay.send(
@@ -299,17 +325,27 @@ class SplitserveScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, SplitserveWorkerMetadata):
-            self._first_tokens.update(worker_meta.first_tokens)
+            for req_id, token in worker_meta.first_tokens.items():
+                tracked = self._requests.get(req_id)
+                if tracked is not None and tracked.phase is Phase.LOADING:
+                    tracked.first_token = token
         failed = connector_output.failed_recving or set()
         for req_id in connector_output.finished_sending or ():
-            self._held.discard(req_id)
+            if self._phase(req_id) is Phase.HELD:
+                del self._requests[req_id]
         for req_id in connector_output.finished_recving or ():
-            self._receiving.pop(req_id, None)
-            self._aborting.discard(req_id)
-            request = self._continuing.pop(req_id, None)
-            token = self._first_tokens.pop(req_id, None)
-            if request is not None and req_id not in failed:
-                self._continue_from_first_token(request, token)
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            if tracked.phase is Phase.ABORTING:
+                del self._requests[req_id]
+            elif tracked.phase is Phase.LOADING:
+                tracked.phase = Phase.LOADED
+                assert tracked.params is not None and tracked.request is not None
+                continuing = tracked.params.first_token_from_prefill
+                token, tracked.first_token = tracked.first_token, None
+                if continuing and req_id not in failed:
+                    self._continue_from_first_token(tracked.request, token)
 
     def _continue_from_first_token(self, request: Request, token: int | None) -> None:
         """D: the load of every prompt token completed; P's first output token becomes the
@@ -334,4 +370,8 @@ class SplitserveScheduler:
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while blocks wait for the worker: P's held requests, and
         # D's aborted requests whose blocks vLLM frees only once we report them.
-        return bool(self._held or self._aborting)
+        return any(tracked.phase in _HOLDING for tracked in self._requests.values())
+
+
+def _release(params: ReceiveParams) -> ReceiveRelease:
+    return ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)

@@ -17,6 +17,12 @@ completion is a CUDA event recorded on the current stream, and a sender thread w
 before posting (``_GpuLayerPoster``); ``wait_for_save`` drains that thread before the step ends.
 The GPU path is written against vLLM's API and reviewed, not run (no GPU on our machines).
 
+State: one ``_Transfer`` record per transfer, keyed by ``(Side, transfer_id)`` (the ids the
+sender and receiver report back; the side because a ``kv_both`` server may be P and D of one
+transfer), holding the vLLM request id it reports. A transfer's end is the deletion of its
+record. Reports owed without a transfer (a reused transfer id, a load the scheduler half failed
+at once) and P's first tokens for the scheduler half wait in one ``_Outbox``.
+
 Invariants:
 - A request id is reported in ``finished_sending`` / ``finished_recving`` exactly once, and
   only for requests the scheduler half told us about.
@@ -34,6 +40,8 @@ import queue
 import signal
 import threading
 import uuid
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from splitserve.connectors.vllm.config import SplitserveConnectorConfig
@@ -42,7 +50,7 @@ from splitserve.connectors.vllm.metadata import (
     SplitserveWorkerMetadata,
 )
 from splitserve.connectors.vllm.stats import COUNTERS, HANDOFF, SplitserveKVConnectorStats
-from splitserve.transfer import messages, strategy
+from splitserve.transfer import strategy
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layout import kv_layout_from_tensors
 from splitserve.transfer.receiver import KVReceiver
@@ -93,6 +101,35 @@ class _GpuLayerPoster:
                 self._queue.task_done()
 
 
+class Side(Enum):
+    PRODUCE = "produce"  # this server is P of the transfer (``KVSender``)
+    RECEIVE = "receive"  # this server is D of the transfer (``KVReceiver``)
+
+
+class Phase(Enum):
+    STREAMING = "streaming"  # P: the engine runs the request; its KV streams to D
+    ENDED = "ended"  # P: the engine finished or dropped it; the sender settles the transfer
+    LOADING = "loading"  # D: the receiver awaits P's KV
+
+
+@dataclass
+class _Transfer:
+    """One transfer's worker-side state; deleted when the sender or receiver settled it."""
+
+    req_id: str
+    phase: Phase
+    report_sending: bool = False  # P, ENDED: vLLM holds the blocks, report finished_sending
+
+
+@dataclass
+class _Outbox:
+    """Reports owed without a transfer record, taken at the next poll (request ids)."""
+
+    sending: set[str] = field(default_factory=set)  # finished_sending
+    failed: set[str] = field(default_factory=set)  # finished_recving + failed_recving
+    first_tokens: dict[str, int] = field(default_factory=dict)  # D: P's token, this step
+
+
 class SplitserveWorker:
     """The worker-side state of one worker process (see module docstring)."""
 
@@ -110,15 +147,10 @@ class SplitserveWorker:
         self._layer_index: dict[str, int] = {}
         self._lock = threading.Lock()  # sender calls from the GPU poster thread vs this thread
         self._gpu_poster: _GpuLayerPoster | None = None
-        self._producing: dict[str, str] = {}  # transfer_id -> req_id (P)
-        self._release_reports: dict[str, bool] = {}  # transfer_id -> report finished_sending?
-        self._receiving: dict[str, str] = {}  # transfer_id -> req_id (D)
+        self._transfers: dict[tuple[Side, str], _Transfer] = {}
+        self._outbox = _Outbox()
         self._stepping = False
         self._last_counts: dict[str, int] = {}
-        # requests to report at the next poll without a transfer (a reused transfer id)
-        self._immediate_sending: set[str] = set()
-        self._immediate_failures: set[str] = set()
-        self._first_tokens: dict[str, int] = {}  # D: req_id -> P's first token, this step
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -135,7 +167,7 @@ class SplitserveWorker:
         preferred = strategy.choose(transport, layout.memory)
         name = f"splitserve-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = KVAgent(name, layout, backend_params=self.config.ucx_backend_params)
-        key = messages.key_bytes(self.config.auth_key)
+        key = self.config.load_auth_key()
         self.channel = SideChannel(
             self.config.side_channel_host, self.config.side_channel_port, key, name="splitserve-sc"
         )
@@ -170,40 +202,45 @@ class SplitserveWorker:
     def bind(self, meta: SplitserveConnectorMetadata) -> None:
         sender, receiver = self.sender, self.receiver
         assert sender is not None and receiver is not None, "register_kv_caches not called"
+        transfers, outbox = self._transfers, self._outbox
         with self._lock:
             for start in meta.produce_start:
-                if start.transfer_id in self._producing:
+                key = (Side.PRODUCE, start.transfer_id)
+                if key in transfers:
                     # A client reused a transfer id: that request is served without a transfer.
                     logger.error(
                         "request %s: transfer id %s already in use by request %s; no transfer",
                         start.req_id,
                         start.transfer_id,
-                        self._producing[start.transfer_id],
+                        transfers[key].req_id,
                     )
                     continue
-                self._producing[start.transfer_id] = start.req_id
+                transfers[key] = _Transfer(start.req_id, Phase.STREAMING)
                 sender.add_request(start.transfer_id, start.num_prompt_tokens)
             for end in meta.produce_end:
-                if self._producing.get(end.transfer_id) != end.req_id:
+                transfer = transfers.get((Side.PRODUCE, end.transfer_id))
+                if transfer is None or transfer.req_id != end.req_id:
                     if end.holds_blocks:
-                        self._immediate_sending.add(end.req_id)
+                        outbox.sending.add(end.req_id)
                     continue
-                self._release_reports[end.transfer_id] = end.holds_blocks
+                transfer.phase = Phase.ENDED
+                transfer.report_sending = end.holds_blocks
                 if end.cancel_reason is None:
                     sender.finish_request(end.transfer_id, end.first_token)
                 else:
                     sender.cancel(end.transfer_id, end.cancel_reason)
             for start in meta.receive_start:
-                if start.transfer_id in self._receiving:
+                key = (Side.RECEIVE, start.transfer_id)
+                if key in transfers:
                     logger.error(
                         "request %s: transfer id %s already awaited by request %s",
                         start.req_id,
                         start.transfer_id,
-                        self._receiving[start.transfer_id],
+                        transfers[key].req_id,
                     )
-                    self._immediate_failures.add(start.req_id)
+                    outbox.failed.add(start.req_id)
                     continue
-                self._receiving[start.transfer_id] = start.req_id
+                transfers[key] = _Transfer(start.req_id, Phase.LOADING)
                 receiver.expect(
                     start.transfer_id,
                     start.remote_host,
@@ -216,16 +253,20 @@ class SplitserveWorker:
                 receiver.release_remote(
                     release.transfer_id, release.remote_host, release.remote_port
                 )
-            self._immediate_failures.update(meta.receive_fail)
+            outbox.failed.update(meta.receive_fail)
             for abort in meta.receive_abort:
-                if self._receiving.get(abort.transfer_id) == abort.req_id:
+                if self._req_id(Side.RECEIVE, abort.transfer_id) == abort.req_id:
                     receiver.abort(abort.transfer_id, "request aborted on the decode side")
             sender.begin_step(
                 StepUpdate(step.transfer_id, step.block_ids, step.computed_after_step)
                 for step in meta.produce_steps
-                if self._producing.get(step.transfer_id) == step.req_id
+                if self._req_id(Side.PRODUCE, step.transfer_id) == step.req_id
             )
         self._stepping = True
+
+    def _req_id(self, side: Side, transfer_id: str) -> str | None:
+        transfer = self._transfers.get((side, transfer_id))
+        return None if transfer is None else transfer.req_id
 
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -253,20 +294,22 @@ class SplitserveWorker:
             self.wait_for_save()
         with self._lock:
             released = self.sender.poll()
-        sending, self._immediate_sending = self._immediate_sending, set()
-        for tid in released:
-            req_id = self._producing.pop(tid, None)
-            if self._release_reports.pop(tid, False) and req_id is not None:
-                sending.add(req_id)
-        failed, self._immediate_failures = self._immediate_failures, set()
+        outbox = self._outbox
+        sending, outbox.sending = outbox.sending, set()
+        for transfer_id in released:
+            transfer = self._transfers.pop((Side.PRODUCE, transfer_id), None)
+            if transfer is not None and transfer.report_sending:
+                sending.add(transfer.req_id)
+        failed, outbox.failed = outbox.failed, set()
         recving = set(failed)
-        for tid, outcome in self.receiver.poll().items():
-            req_id = self._receiving.pop(tid, None)
-            if req_id is None:
+        for transfer_id, outcome in self.receiver.poll().items():
+            transfer = self._transfers.pop((Side.RECEIVE, transfer_id), None)
+            if transfer is None:
                 continue
+            req_id = transfer.req_id
             recving.add(req_id)
             if outcome.ok and outcome.first_token is not None:
-                self._first_tokens[req_id] = outcome.first_token
+                outbox.first_tokens[req_id] = outcome.first_token
             if not outcome.ok:
                 failed.add(req_id)
                 logger.error("KV load for request %s failed: %s", req_id, outcome.reason)
@@ -274,9 +317,9 @@ class SplitserveWorker:
 
     def take_worker_meta(self) -> SplitserveWorkerMetadata | None:
         """P's first tokens of the loads reported finished by the last ``get_transfer_results``."""
-        if not self._first_tokens:
+        if not self._outbox.first_tokens:
             return None
-        tokens, self._first_tokens = self._first_tokens, {}
+        tokens, self._outbox.first_tokens = self._outbox.first_tokens, {}
         return SplitserveWorkerMetadata(tokens)
 
     # -- stats and shutdown -------------------------------------------------------------------
