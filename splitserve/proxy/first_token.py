@@ -1,8 +1,9 @@
 """One request through a vLLM pair with the first token from the prefill server.
 
-Runs in the proxy process, on its event loop, for ``Forwarder`` (``forward.py``) when the
-option ``first_token_from_prefill`` is on and the request qualifies
-(``stitch.first_token_eligible``). P and D get the request at the same time, as in the plain
+Runs in the proxy process, on its event loop: ``FirstTokenFlow.attempt`` is called by
+``Forwarder`` (``forward.py``) when the option ``first_token_from_prefill`` is on and the
+request qualifies (``stitch.first_token_eligible``); it builds on ``calls.UpstreamCalls`` and
+``relay``, as the other flows do. P and D get the request at the same time, as in the plain
 concurrent flow, but D's ``kv_transfer_params`` say ``first_token_from_prefill``: D loads the KV
 of every prompt token and continues from the token P sampled. So the client's first token is
 P's, sent as soon as P answers (time to first token = P's prefill, like a colocated server),
@@ -21,6 +22,13 @@ Invariants:
   client before.
 - Streaming: once the first token is sent the answer is committed; a later failure of D ends
   the stream with an SSE ``error`` event, as any mid-stream failure.
+
+Cost: this is the default flow for vLLM, so it adds to the per-request path only what the
+first token needs (P's answer parsed into a ``PrefillHead``, D's events rewritten by ``stitch``).
+P's request runs in the handler's task and D's is opened in one task beside it, as the plain
+concurrent flow does the other way round: D's failure interrupts P's wait through a
+done-callback (``calls.PeerWatch``), no wait on both, and no timer beyond the upstream client's
+own unless D's answer is still to come.
 """
 
 from __future__ import annotations
@@ -28,18 +36,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from splitserve.proxy import dispatch, jsonio, stitch
-from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus, UpstreamTimeout
-from splitserve.proxy.http_server import SSE_HEADERS, Response, StreamResponse
-from splitserve.proxy.upstream import UpstreamResponse
-
-if TYPE_CHECKING:
-    from splitserve.proxy.forward import Call, Forwarder
-    from splitserve.proxy.routing import Backend
+from splitserve.proxy import dispatch, jsonio, relay, stitch
+from splitserve.proxy.aio import within
+from splitserve.proxy.calls import Call, PeerFailed, PeerWatch, UpstreamCalls
+from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus
+from splitserve.proxy.http.client import UpstreamResponse
+from splitserve.proxy.http.messages import Response, StreamResponse
+from splitserve.proxy.routing import Backend
 
 logger = logging.getLogger(__name__)
+
+_Opened = tuple[UpstreamResponse, bytes]
 
 
 class TakePlainFlow(Exception):
@@ -52,57 +61,96 @@ class TakePlainFlow(Exception):
         self.reason = reason
 
 
-async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamResponse:
-    """One attempt on the pair (p, d); raises ``_Retry`` / ``ProxyError`` before committing,
-    ``TakePlainFlow`` when the request must be served without P's token."""
-    from splitserve.proxy.forward import _Retry, _wait_any, _within
+class FirstTokenFlow:
+    """One attempt of the first-token flow on a pair, over ``UpstreamCalls``."""
 
-    request, route, path, body = call.request, call.route, call.path, call.body
-    stream, deadline, outcome, t_start = call.stream, call.deadline, call.outcome, call.t_start
+    def __init__(self, calls: UpstreamCalls) -> None:
+        self.calls = calls
 
-    loop = fw.loop
-    side = p.settings
-    p_body, d_body = dispatch.vllm_concurrent_requests(
-        body,
-        dispatch.new_transfer_id(),
-        side.side_host,
-        side.side_channel_port,
-        first_token_from_prefill=True,
-    )
-    p_task = loop.create_task(fw._prefill(p, path, p_body, deadline))
-    t0 = loop.time()
-    d.outstanding += 1
-    gauge = fw.metrics.of(fw.metrics.in_flight, *d.labels)
-    gauge.inc()
-    open_task = loop.create_task(fw._open_decode(d, path, d_body, stream, deadline))
-    resp: UpstreamResponse | None = None
-    try:
-        # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
-        until = min(deadline, t0 + fw._first_byte_s)
-        while not p_task.done():
-            # Both while D is connecting (it only fails early if it cannot), then P alone.
-            watched = (p_task,) if open_task.done() else (p_task, open_task)
-            if not await _wait_any(until, *watched):
-                raise UpstreamTimeout(
-                    f"prefill server {p.url}: timed out waiting for the prefill answer",
-                    pool=p.pool,
-                    server=p.url,
-                )
-            if open_task.done() and not open_task.cancelled() and open_task.exception():
-                raise _decode_error(fw, open_task.exception(), d, _Retry)
-        exc = p_task.exception()
-        if exc is not None:
-            if isinstance(exc, ProxyError):
-                raise fw._prefill_retry(exc, p)
-            raise exc
-        answer = p_task.result()
-        p_done = loop.time()
+    async def attempt(self, call: Call, p: Backend, d: Backend) -> Response | StreamResponse:
+        """One attempt on the pair (p, d); raises ``RetryElsewhere`` / ``ProxyError`` before
+        committing, ``TakePlainFlow`` when the request must be served without P's token."""
+        calls = self.calls
+        loop = calls.loop
+        side = p.settings
+        p_body, d_body = dispatch.vllm_concurrent_requests(
+            call.body,
+            dispatch.new_transfer_id(),
+            side.side_host,
+            side.side_channel_port,
+            first_token_from_prefill=True,
+        )
+        t0 = loop.time()
+        gauge = calls.enter(d)
+        opening = loop.create_task(
+            calls.open_decode(d, call.path, d_body, call.stream, call.deadline)
+        )
+        resp: UpstreamResponse | None = None
         try:
-            head = stitch.FirstToken.from_prefill_answer(answer, chat=route == "chat")
+            # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
+            answer = await self._prefill(call, p, d, p_body, opening)
+            p_done = loop.time()
+            head = self._head(answer, call, p)
+            if head.ends_request(call.body):
+                opening.cancel()  # D aborts its request; its connector releases P's blocks
+                return await self._token_alone(call, head, answer)
+            reason = stitch.plain_flow_reason(call.body, head.text)
+            if reason is not None:
+                raise TakePlainFlow(reason)
+            if not call.stream:
+                resp, raw = await self._opened(opening, d)
+                return self._merged(call, head, resp, raw, d, p_done)
+            # Phase 2 (streaming): the first token goes out now; the answer is committed.
+            out = relay.new_stream()
+            try:
+                await relay.commit(calls, call, out, head.head_events(call.body, last=False))
+                resp, first = await self._first_chunk(call, out, opening, d, p_done)
+                if resp is not None:
+                    rewriter = stitch.StreamRewriter(head)
+                    await out.write(rewriter.feed(first))
+                    if await relay.pipe(calls, call, out, resp, d, t0, rewriter):
+                        resp = None
+            except ConnectionError:  # a write to a client that went away
+                relay.client_went_away(call.outcome, d)
+            return out
+        finally:
+            await _settle(opening, resp)
+            calls.leave(d, gauge)
+
+    # ------------------------------------------------------------------ phase 1
+
+    async def _prefill(
+        self,
+        call: Call,
+        p: Backend,
+        d: Backend,
+        p_body: dict[str, Any],
+        opening: asyncio.Task[_Opened],
+    ) -> dict[str, Any]:
+        """P's answer, awaited in this task while D's request is opened in ``opening``; D's
+        failure before P answered interrupts the wait (a failed connect: ``RetryElsewhere``)."""
+        calls = self.calls
+        watch = PeerWatch(calls.loop, opening)
+        try:
+            return await calls.prefill(p, call.path, p_body, call.deadline, watch.attach)
+        except PeerFailed:
+            exc = opening.exception()
+            assert exc is not None  # the watch only fires on a failed task
+            raise calls.decode_error(exc, d, "the decode server") from None
+        except ProxyError as e:
+            raise calls.prefill_retry(e, p) from None
+        finally:
+            watch.stop()
+
+    def _head(self, answer: dict[str, Any], call: Call, p: Backend) -> stitch.PrefillHead:
+        """The client's first token from P's answer; a P that ended the request otherwise than
+        by length or stop ("abort", "error") is a failed P."""
+        try:
+            head = stitch.PrefillHead.from_prefill_answer(answer, chat=call.route == "chat")
         except ValueError as e:
             raise UpstreamError(f"prefill server {p.url}: {e}", pool=p.pool, server=p.url) from e
-        if head.finish_reason not in (None, "length", "stop"):  # "abort", "error"
-            raise fw._prefill_retry(
+        if head.finish_reason not in (None, "length", "stop"):
+            raise self.calls.prefill_retry(
                 UpstreamError(
                     f"prefill server {p.url} ended the request ({head.finish_reason})",
                     pool=p.pool,
@@ -110,113 +158,105 @@ async def attempt(fw: Forwarder, call: Call, p: Backend, d: Backend) -> StreamRe
                 ),
                 p,
             )
+        return head
 
-        if head.ends_request(body):
-            open_task.cancel()  # D aborts its request; its connector releases P's blocks
-            fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
-            outcome.status = 200
-            if not stream:
-                return _json_answer(head.alone(answer))
-            out = StreamResponse(status=200, headers=SSE_HEADERS)
-            with contextlib.suppress(ConnectionError):
-                await out.prepare(request)
-                await out.write(head.head_events(body, last=True))
-                await out.write_eof()
-            return out
+    # ------------------------------------------------------------------ answers
 
-        plain_reason = stitch.plain_flow_reason(body, head.text)
-        if plain_reason is not None:
-            raise TakePlainFlow(plain_reason)
-
-        if not stream:
-            try:
-                resp, raw = await _within(open_task, deadline)
-            except ProxyError:
-                raise
-            except (TimeoutError, OSError) as e:
-                raise _decode_error(fw, e, d, _Retry) from None
-            resp.release()  # read to the end: the connection goes back to the pool
-            if resp.status != 200:
-                raise UpstreamStatus(resp.status, raw, pool=d.pool, server=d.url)
-            try:
-                merged = head.merge(jsonio.loads(raw))
-            except (ValueError, TypeError, AttributeError, RecursionError):
-                raise UpstreamError(
-                    f"decode server {d.url} answered invalid JSON", pool=d.pool, server=d.url
-                ) from None
-            fw.metrics.handoff.observe(max(0.0, loop.time() - p_done))
-            fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
-            outcome.status = 200
-            return _json_answer(merged)
-
-        # Phase 2 (streaming): the first token goes out now; the answer is committed.
-        out = StreamResponse(status=200, headers=SSE_HEADERS)
-        try:
-            await out.prepare(request)
-            await out.write(head.head_events(body, last=False))
-            fw.metrics.of(fw.metrics.ttft, route).observe(loop.time() - t_start)
-            outcome.status = 200
-            rewriter = stitch.StreamRewriter(head)
-            try:
-                resp, first = await _within(open_task, min(deadline, p_done + fw._first_byte_s))
-            except (TimeoutError, OSError) as e:
-                err = fw._map_error(e, d, "the decode server's first byte")
-                outcome.error_kind = f"midstream_{err.kind}"
-                await out.write(_error_event(err.body()["error"]))
-                return out
-            if resp.status != 200:
-                err_status = UpstreamStatus(resp.status, first, pool=d.pool, server=d.url)
-                outcome.error_kind = "midstream_upstream_status"
-                await out.write(_error_event(err_status.body()["error"]))
-                return out
-            fw.metrics.handoff.observe(max(0.0, loop.time() - p_done))
-            await out.write(rewriter.feed(first))
-            clean = await fw._relay(resp, out, d, outcome, deadline, rewrite=rewriter.feed)
-            rest = rewriter.flush()
-            if rest:
-                await out.write(rest)
-            if clean:
-                resp.release()
-                resp = None
-            fw.metrics.of(fw.metrics.upstream, *d.labels).observe(loop.time() - t0)
+    async def _token_alone(
+        self, call: Call, head: stitch.PrefillHead, answer: dict[str, Any]
+    ) -> Response | StreamResponse:
+        """The first token ended the request: P's token is the whole answer."""
+        calls = self.calls
+        calls.metrics.of(calls.metrics.ttft, call.route).observe(calls.loop.time() - call.t_start)
+        call.outcome.status = 200
+        if not call.stream:
+            return _json_answer(head.alone(answer))
+        out = relay.new_stream()
+        with contextlib.suppress(ConnectionError):
+            await out.prepare(call.request)
+            await out.write(head.head_events(call.body, last=True))
             await out.write_eof()
-        except ConnectionError:  # a write to a client that went away
-            outcome.status, outcome.error_kind = 499, "client_disconnected"
-            logger.info("client went away mid-stream; closing %s", d.url)
         return out
-    finally:
-        if not open_task.done():
-            open_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            opened, _ = await open_task
-            if resp is None:
-                opened.close()  # opened, never used (the first token ended the request)
-        if resp is not None:
+
+    async def _opened(self, opening: asyncio.Task[_Opened], d: Backend) -> _Opened:
+        """D's whole answer (not streamed), within the deadline its request already carries."""
+        try:
+            return await opening
+        except (TimeoutError, OSError) as e:
+            raise self.calls.decode_error(e, d, "the decode server") from None
+
+    def _merged(
+        self,
+        call: Call,
+        head: stitch.PrefillHead,
+        resp: UpstreamResponse,
+        raw: bytes,
+        d: Backend,
+        p_done: float,
+    ) -> Response:
+        """P's token in front of D's whole answer."""
+        resp.release()  # read to the end: the connection goes back to the pool
+        if resp.status != 200:
+            raise UpstreamStatus(resp.status, raw, pool=d.pool, server=d.url)
+        try:
+            merged = head.merge(jsonio.loads(raw))
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            raise UpstreamError(
+                f"decode server {d.url} answered invalid JSON", pool=d.pool, server=d.url
+            ) from None
+        metrics = self.calls.metrics
+        now = self.calls.loop.time()
+        metrics.handoff.observe(max(0.0, now - p_done))
+        metrics.of(metrics.ttft, call.route).observe(now - call.t_start)
+        call.outcome.status = 200
+        return _json_answer(merged)
+
+    async def _first_chunk(
+        self,
+        call: Call,
+        out: StreamResponse,
+        opening: asyncio.Task[_Opened],
+        d: Backend,
+        p_done: float,
+    ) -> tuple[UpstreamResponse | None, bytes]:
+        """D's response and first chunk after P's token was sent, within ``first_byte_s`` of P's
+        answer; on a failure the client's stream gets an SSE ``error`` event and ``None``."""
+        calls = self.calls
+        try:
+            if opening.done():  # the usual case on a fast D: no timer to arm
+                resp, first = opening.result()
+            else:
+                until = min(call.deadline, p_done + calls.first_byte_s)
+                resp, first = await within(opening, until)
+        except (TimeoutError, OSError) as e:
+            err = calls.map_error(e, d, "the decode server's first byte")
+            call.outcome.error_kind = f"midstream_{err.kind}"
+            await out.write(err.sse_event())
+            return None, b""
+        if resp.status != 200:
+            call.outcome.error_kind = "midstream_upstream_status"
+            await out.write(
+                UpstreamStatus(resp.status, first, pool=d.pool, server=d.url).sse_event()
+            )
             resp.close()
-        if not p_task.done():
-            p_task.cancel()  # D or the client failed first: P aborts and frees its KV
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await p_task
-        d.outstanding -= 1
-        gauge.dec()
+            return None, b""
+        calls.metrics.handoff.observe(max(0.0, calls.loop.time() - p_done))
+        return resp, first
 
 
-def _decode_error(fw: Forwarder, e: BaseException, d: Backend, retry_cls) -> Exception:
-    """D failed before anything reached the client: retry a failed connect, else report."""
-    if isinstance(e, ProxyError):
-        return e
-    if isinstance(e, TimeoutError | OSError):
-        err = fw._map_error(e, d, "the decode server")
-        if err.connect_failed:
-            return retry_cls(err, d, "decode_connect")
-        return err
-    return e
+async def _settle(opening: asyncio.Task[_Opened], resp: UpstreamResponse | None) -> None:
+    """D's request at the end of an attempt: cancelled if still opening, closed unless it was
+    released (a response opened and never used is closed: D aborts the request)."""
+    if not opening.done():
+        opening.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        opened, _ = await opening
+        if resp is None:
+            opened.close()  # closing a released response does nothing
+    if resp is not None:
+        resp.close()
 
 
 def _json_answer(data: dict[str, Any]) -> Response:
-    # orjson (jsonio) rather than json_response's json.dumps: this is every request's answer.
+    # orjson (jsonio) rather than json.dumps: this is every request's answer.
     return Response(jsonio.dumps(data))
-
-
-def _error_event(error: dict[str, Any]) -> bytes:
-    return b"data: " + jsonio.dumps({"error": error}) + b"\n\n"

@@ -1,9 +1,10 @@
 """The proxy's endpoint: routes, auth, error mapping, lifecycle.
 
-Runs in the proxy process: one event loop holds the HTTP server (``http_server.py``), the
-upstream client (``upstream.py``: keep-alive connections for completions) and an aiohttp client
-session (health checks, ``/v1/models``), both to the configured servers and to nothing else, the
-health-check task and the metrics registry.
+Runs in the proxy process: one event loop holds the HTTP server (``http/server.py``), the
+upstream client for completions (``http/client.py``), the control-plane session for health
+checks and ``/v1/models`` (``http/session.py``), the health-check task and the metrics
+registry. Requests are served by ``forward.Forwarder``; ``background.BackgroundProxy`` runs
+this server on a thread for tests and benchmarks.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not), ``GET
 /v1/models`` (a healthy decode server's answer), ``/health`` (the proxy is alive), ``/ready``
@@ -18,25 +19,26 @@ server does), and with it both upstream requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import hmac
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
 from splitserve.proxy import jsonio, validation
+from splitserve.proxy.calls import RequestOutcome
 from splitserve.proxy.config import ProxyConfig
 from splitserve.proxy.errors import NoHealthyServer, ProxyError, Unauthorized, error_body
-from splitserve.proxy.forward import Forwarder, Outcome
+from splitserve.proxy.forward import Forwarder
 from splitserve.proxy.health import HealthChecker, HealthTracker
-from splitserve.proxy.http_server import Handler, HTTPServer, Request, Response, StreamResponse
+from splitserve.proxy.http.client import UpstreamClient
+from splitserve.proxy.http.messages import Handler, Request, Response, StreamResponse
+from splitserve.proxy.http.server import HTTPServer
+from splitserve.proxy.http.session import new_control_session
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool
-from splitserve.proxy.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -68,26 +70,10 @@ class ProxyState:
         )
 
     async def start(self) -> None:
-        # Control-plane requests (health checks, /v1/models) go through aiohttp; completions
-        # through the lean client of upstream.py (aiohttp's was most of the per-request CPU).
-        # Both pools are unbounded (the clients bound the concurrency); TCP_NODELAY is on
-        # (uvloop and asyncio set it on every TCP socket).
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            # Bodies are relayed as they come, so ask for none compressed (and decompress none).
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-            # The engines set no cookies that matter; a jar would be filtered on every request.
-            cookie_jar=aiohttp.DummyCookieJar(),
-            # Connect bound only: every read is bounded by the forwarder's own deadlines
-            # (first byte, stream idle, total), without a timer object per request here.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.connect_s),
-        )
-        upstream_headers = {}
-        if self.config.upstream_api_key is not None:
-            key = self.config.upstream_api_key.get_secret_value()
-            upstream_headers["Authorization"] = f"Bearer {key}"
+        # Completions go through the lean client of http/client.py; control-plane requests
+        # (health checks, /v1/models) through an aiohttp session (http/session.py).
+        self.session = new_control_session(self.config.timeouts.connect_s)
+        upstream_headers = self.upstream_headers()
         self.checker = HealthChecker(self.tracker, self.session, upstream_headers)
         await self.checker.check_all(decisive=True)
         self.checker.start()
@@ -104,6 +90,12 @@ class ProxyState:
             len(self.prefill.healthy()),
             len(self.decode.healthy()),
         )
+
+    def upstream_headers(self) -> dict[str, str]:
+        """Headers every request to an engine carries (its API key, when configured)."""
+        if self.config.upstream_api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.config.upstream_api_key.get_secret_value()}"}
 
     async def close(self) -> None:
         if self.checker is not None:
@@ -165,7 +157,7 @@ def _generation_handler(
     metrics = state.metrics
 
     async def handler(request: Request) -> Response | StreamResponse:
-        outcome = Outcome(status=500)
+        outcome = RequestOutcome(status=500)
         assert state.forwarder is not None
         loop = state.forwarder.loop  # not get_running_loop(): a getpid() call on 3.11
         t0 = loop.time()
@@ -191,10 +183,7 @@ def _generation_handler(
 def _models_handler(state: ProxyState) -> Handler:
     async def models(request: Request) -> Response:
         assert state.session is not None
-        headers = {}
-        if state.config.upstream_api_key is not None:
-            key = state.config.upstream_api_key.get_secret_value()
-            headers["Authorization"] = f"Bearer {key}"
+        headers = state.upstream_headers()
         candidates = state.decode.healthy() + state.prefill.healthy()
         if not candidates:
             raise NoHealthyServer("no healthy server to list models from")
@@ -311,12 +300,13 @@ def _settle_heap() -> None:
 
     Everything imported and built so far (aiohttp, pydantic, prometheus_client, the config) lives
     as long as the process; left to the collector, every full collection walks all of it again,
-    a pause on the request path (``gc_collect_main`` was 4.6% of the proxy's CPU under load in a
-    native profile). ``gc.freeze()`` moves it to the permanent generation, as CPython's docs
-    advise for servers; what requests allocate is still collected. The youngest generation is
-    collected after 10,000 net allocations instead of 700: with many requests in flight, each
-    collection walks their live state whatever the threshold, so fewer collections cost less,
-    and cyclic garbage waits a little longer (requests make almost none)."""
+    a pause on the request path (its share of the proxy's CPU in a native profile:
+    docs/benchmarks.md, "A server of our own"). ``gc.freeze()`` moves it to the permanent
+    generation, as CPython's docs advise for servers; what requests allocate is still
+    collected. The youngest generation is collected after 10,000 net allocations instead of
+    700: with many requests in flight, each collection walks their live state whatever the
+    threshold, so fewer collections cost less, and cyclic garbage waits a little longer
+    (requests make almost none)."""
     gc.collect()
     gc.freeze()
     young, middle, old = gc.get_threshold()
@@ -337,90 +327,3 @@ async def serve(
         await asyncio.Event().wait()
     finally:
         await proxy.close()
-
-
-class BackgroundProxy:
-    """A proxy on its own event loop in a daemon thread (tests, benchmarks, notebooks).
-
-    ``with BackgroundProxy(config) as proxy: ... proxy.url``; port 0 picks a free port.
-    """
-
-    def __init__(self, config: ProxyConfig, start_timeout: float = 30.0) -> None:
-        self.config = config
-        self.start_timeout = start_timeout
-        self.port: int | None = None
-        self.proxy: ProxyServer | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    @property
-    def state(self) -> ProxyState:
-        assert self.proxy is not None
-        return self.proxy.state
-
-    def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-
-        async def main() -> None:
-            self.proxy = await ProxyServer(self.config).start()
-            try:
-                self.port = self.proxy.port
-                self._ready.set()
-                await asyncio.Event().wait()
-            finally:
-                await self.proxy.close()
-
-        self._task = loop.create_task(main())
-        try:
-            loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            pass
-        except BaseException as e:  # reported to the thread that started us
-            self._error = e
-            self._ready.set()
-        finally:
-            loop.close()
-
-    def start(self) -> BackgroundProxy:
-        self._thread = threading.Thread(target=self._run, name="splitserve-proxy", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(self.start_timeout):
-            raise RuntimeError(f"proxy did not start within {self.start_timeout} s")
-        if self._error is not None:
-            raise RuntimeError(f"proxy failed to start: {self._error!r}") from self._error
-        return self
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the proxy's loop and return its result (for state inspection)."""
-        assert self._loop is not None
-        done = threading.Event()
-        box: list[Any] = []
-
-        def run() -> None:
-            box.append(fn())
-            done.set()
-
-        self._loop.call_soon_threadsafe(run)
-        done.wait(10)
-        return box[0]
-
-    def stop(self) -> None:
-        if self._loop is not None and self._task is not None and not self._loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._task.cancel)
-        if self._thread is not None:
-            self._thread.join(30)
-
-    def __enter__(self) -> BackgroundProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

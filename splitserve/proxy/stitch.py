@@ -133,8 +133,9 @@ def first_token_eligible(body: dict[str, Any]) -> bool:
 
 
 @dataclass(frozen=True)
-class FirstToken:
-    """The client's first token, from P's (non-streamed, one-token) answer."""
+class PrefillHead:
+    """The client's first token, from P's (non-streamed, one-token) answer (what the proxy
+    sends first; not ``transfer.messages.FirstToken``, the connector's message to D)."""
 
     chat: bool
     id: str
@@ -146,7 +147,7 @@ class FirstToken:
     prompt_tokens: int | None
 
     @classmethod
-    def from_prefill_answer(cls, answer: dict[str, Any], chat: bool) -> FirstToken:
+    def from_prefill_answer(cls, answer: dict[str, Any], chat: bool) -> PrefillHead:
         """Raises ``ValueError`` when the answer is not a one-choice completion."""
         choices = answer.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
@@ -289,7 +290,7 @@ class StreamRewriter:
     """Rewrites D's SSE stream after the first token was sent: one ``id``, no second chat role
     chunk, usage counting P's token. Feed it D's bytes as they come; it returns whole events."""
 
-    def __init__(self, head: FirstToken) -> None:
+    def __init__(self, head: PrefillHead) -> None:
         self.head = head
         self._buffer = b""
 

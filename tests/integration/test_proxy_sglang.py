@@ -20,8 +20,8 @@ pytest.importorskip("sglang_router")
 
 import openai  # noqa: E402
 
+from splitserve.proxy.background import BackgroundProxy  # noqa: E402
 from splitserve.proxy.config import build_config  # noqa: E402
-from splitserve.proxy.server import BackgroundProxy  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
-from splitserve.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.integration
 

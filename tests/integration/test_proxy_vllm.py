@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from splitserve.netutil import free_ports
+from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
-from splitserve.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.integration
 

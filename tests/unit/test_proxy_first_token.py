@@ -199,7 +199,7 @@ def test_first_token_eligible(extra, eligible):
 
 
 def test_stream_rewriter_one_id_no_second_role_usage_counts_the_first_token():
-    head = stitch.FirstToken.from_prefill_answer(
+    head = stitch.PrefillHead.from_prefill_answer(
         StubVllm._whole(True, ["A"], "length", "p-id"), chat=True
     )
     rewriter = stitch.StreamRewriter(head)

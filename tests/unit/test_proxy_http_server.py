@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 server (``splitserve.proxy.http_server``) over real sockets on loopback.
+"""The proxy's HTTP/1.1 server (``splitserve.proxy.http.server``) over real sockets on loopback.
 
 Clients here write raw HTTP bytes (asyncio streams), so each test controls exactly what the
 server sees: pipelining, HTTP/1.0, ``Expect: 100-continue``, chunked bodies, oversized heads and
@@ -16,7 +16,8 @@ from typing import Any
 import httptools
 import pytest
 
-from splitserve.proxy.http_server import HTTPServer, Request, Response, StreamResponse
+from splitserve.proxy.http.messages import Request, Response, StreamResponse
+from splitserve.proxy.http.server import HTTPServer
 
 
 class Recorder:

@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client (``splitserve.proxy.upstream``) against real sockets on loopback.
+"""The proxy's HTTP/1.1 client (``splitserve.proxy.http.client``) against real sockets on loopback.
 
 The servers here are scripted asyncio servers that write raw HTTP bytes, so each test controls
 exactly what the client sees (keep-alive, chunking, a close mid-body, a stale idle connection,
@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import trustme
 
-from splitserve.proxy import upstream
-from splitserve.proxy.upstream import UpstreamClient, UpstreamConnectError, UpstreamDisconnected
+from splitserve.proxy.http import client as upstream
+from splitserve.proxy.http.client import UpstreamClient, UpstreamConnectError, UpstreamDisconnected
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

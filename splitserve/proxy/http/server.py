@@ -1,12 +1,11 @@
 """The proxy's HTTP/1.1 server: client connections on asyncio protocols, parsed by httptools.
 
-Runs in the proxy process, on its event loop; ``server.py`` gives it the routes. Why not
-aiohttp's server: measured with ``benchmarks/proxy_overhead.py``'s stubs, a proxy with no
-features spends 66 us per request on aiohttp's server and our upstream client, 42 us on this
-server and the same client (uvicorn with a bare ASGI app: 59 to 63), about a third of the
-proxy's whole CPU per request (docs/benchmarks.md, "A protocol-level server"). Parsing is
-httptools' (llhttp, the C parser behind Node.js and uvicorn), as in ``upstream.py``; this module
-only frames answers, keeps connections and runs one handler per request.
+Runs in the proxy process, on its event loop; ``proxy/server.py`` gives it the routes. Why not
+aiohttp's server (or uvicorn): on ``benchmarks/proxy_overhead.py``'s stubs a protocol-level
+server cost the proxy markedly less CPU per request than either (the floor experiment and its
+figures: docs/benchmarks.md, "A server of our own"). Parsing is httptools' (llhttp, the C parser
+behind Node.js and uvicorn), as in ``client.py``; this module only frames answers, keeps
+connections and runs one handler per request. Knows nothing of prefill or decode.
 
 Scope: what an OpenAI-compatible endpoint needs. HTTP/1.1 and 1.0; request bodies with
 ``Content-Length`` or chunked, read whole before the handler runs; keep-alive and pipelining
@@ -35,161 +34,22 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable
-from email.utils import formatdate
-from http import HTTPStatus
 
 import httptools
+
+from splitserve.proxy.http.messages import (
+    ErrorResponse,
+    Handler,
+    Request,
+    Response,
+    StreamResponse,
+    encode_head,
+)
 
 logger = logging.getLogger(__name__)
 
 _MAX_PIPELINED = 8  # parsed requests waiting on one connection before reading pauses
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class Request:
-    """One client request, body included (the server reads it whole before the handler)."""
-
-    __slots__ = ("method", "path", "query", "version", "body", "keep_alive", "_headers", "_conn")
-
-    def __init__(
-        self,
-        method: str,
-        path: str,
-        query: str,
-        version: str,
-        headers: dict[bytes, bytes],
-        body: bytes,
-        keep_alive: bool,
-        conn: _Connection | None = None,
-    ) -> None:
-        self.method = method
-        self.path = path
-        self.query = query
-        self.version = version
-        self.body = body
-        self.keep_alive = keep_alive
-        self._headers = headers  # lower-case names; repeated headers joined with ", "
-        self._conn = conn  # where to write a streamed answer
-
-    def header(self, name: str) -> str | None:
-        """The value of header ``name`` (any case), or None."""
-        value = self._headers.get(name.lower().encode("latin-1"))
-        return None if value is None else value.decode("latin-1")
-
-
-class Response:
-    """A whole answer, sent with ``Content-Length`` in one write."""
-
-    __slots__ = ("status", "body", "headers")
-
-    def __init__(
-        self,
-        body: bytes = b"",
-        status: int = 200,
-        content_type: str = "application/json",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.status = status
-        self.body = body
-        self.headers = {"Content-Type": content_type, **(headers or {})}
-
-
-# The headers of every Server-Sent-Events answer the proxy streams.
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-class StreamResponse:
-    """An answer written as it is produced: ``prepare`` sends the head, ``write`` a piece of
-    the body, ``write_eof`` the end. Chunked for HTTP/1.1 clients, close-delimited for 1.0."""
-
-    __slots__ = ("status", "headers", "_conn", "_chunked", "_done")
-
-    def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
-        self.status = status
-        self.headers = dict(headers or {})
-        self._conn: _Connection | None = None
-        self._chunked = True
-        self._done = False
-
-    @property
-    def prepared(self) -> bool:
-        return self._conn is not None
-
-    async def prepare(self, request: Request) -> None:
-        conn = request._conn
-        if conn is None or conn.closing:
-            raise ConnectionResetError("the client went away")
-        self._conn = conn
-        self._chunked = request.version != "1.0"
-        if not self._chunked or conn.server.closing:
-            conn.keep_alive = False  # 1.0: the end of the body is the end of the connection
-        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
-        conn.write(_head(self.status, self.headers, conn.keep_alive, conn.version, framing))
-        await conn.drain()
-
-    async def write(self, data: bytes) -> None:
-        conn = self._conn
-        if conn is None:
-            raise RuntimeError("write before prepare")
-        if conn.closing:
-            raise ConnectionResetError("the client went away")
-        if not data:
-            return  # an empty chunk would end a chunked body
-        conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        if conn.write_paused:
-            await conn.drain()
-
-    async def write_eof(self) -> None:
-        conn = self._conn
-        if conn is None or self._done:
-            return
-        self._done = True
-        if self._chunked and not conn.closing:
-            conn.write(b"0\r\n\r\n")
-        await conn.drain()
-
-
-Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
-ErrorResponse = Callable[[int, str], Response]
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Unknown"
-
-
-_STATUS_LINES = {s.value: b"HTTP/1.1 %d %b\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
-_date_second = 0
-_date_header = b""
-
-
-def _date() -> bytes:
-    """The ``Date`` header line, formatted once a second."""
-    global _date_second, _date_header
-    now = int(time.time())
-    if now != _date_second:
-        _date_second = now
-        _date_header = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-    return _date_header
-
-
-def _head(
-    status: int, headers: dict[str, str], keep_alive: bool, version: str, extra: bytes = b""
-) -> bytes:
-    line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, _reason(status))
-    parts = [line, _date(), extra]
-    for name, value in headers.items():
-        parts.append(f"{name}: {value}\r\n".encode("latin-1"))
-    if not keep_alive:
-        parts.append(b"Connection: close\r\n")
-    elif version == "1.0":
-        parts.append(b"Connection: keep-alive\r\n")
-    parts.append(b"\r\n")
-    return b"".join(parts)
 
 
 class _Refused(Exception):
@@ -384,7 +244,9 @@ class _Connection(asyncio.Protocol):
                 body = b"" if request.method == "HEAD" else response.body
                 length = b"Content-Length: %d\r\n" % len(response.body)
                 status, headers = response.status, response.headers
-                self.write(_head(status, headers, self.keep_alive, self.version, length) + body)
+                self.write(
+                    encode_head(status, headers, self.keep_alive, self.version, length) + body
+                )
         except (ConnectionError, asyncio.CancelledError):
             return
         except Exception:
@@ -408,12 +270,17 @@ class _Connection(asyncio.Protocol):
         if self.task is None and not self.closing:
             response = self.server.error_response(status, message)
             length = b"Content-Length: %d\r\n" % len(response.body)
-            self.write(_head(status, response.headers, False, "1.1", length) + response.body)
+            self.write(encode_head(status, response.headers, False, "1.1", length) + response.body)
             self._close()
         else:  # an answer is being written: nothing can go between it and its end
             self._abort()
 
     # ------------------------------------------------------------------ plumbing
+
+    @property
+    def shutting_down(self) -> bool:
+        """The server is closing: an answer started now ends its connection."""
+        return self.server.closing
 
     def write(self, data: bytes) -> None:
         if not self.closing:

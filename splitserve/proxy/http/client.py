@@ -1,12 +1,11 @@
 """The proxy's HTTP/1.1 client to the engines: keep-alive connections on asyncio protocols.
 
-Runs in the proxy process, on its event loop; ``Forwarder`` sends every prefill and decode
-request through one ``UpstreamClient``. Why not aiohttp's client: measured with
-``benchmarks/proxy_overhead.py``, its request machinery was most of the proxy's CPU per request
-(the same proxy on this client spends a half to a quarter of the CPU per request and serves 1.6
-to 2x the requests per second; docs/benchmarks.md). Parsing is httptools' (llhttp, the C parser
+Runs in the proxy process, on its event loop; every prefill and decode request goes through one
+``UpstreamClient`` (``proxy/calls.py``). Why not aiohttp's client: its request machinery was
+most of the proxy's CPU per request (measured with ``benchmarks/proxy_overhead.py``; figures in
+docs/benchmarks.md, "Our own upstream client"). Parsing is httptools' (llhttp, the C parser
 behind Node.js and uvicorn); this module only frames requests, pools connections and hands body
-bytes to the caller as they arrive.
+bytes to the caller as they arrive. Knows nothing of prefill or decode.
 
 Scope: what the proxy needs and nothing more. ``POST`` with a complete body (the proxy has parsed
 it), responses with ``Content-Length``, chunked or close-delimited bodies, ``http`` and

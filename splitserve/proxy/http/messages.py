@@ -1,0 +1,188 @@
+"""What the proxy's HTTP server exchanges with a handler: ``Request`` in; ``Response`` (whole)
+or ``StreamResponse`` (written as produced) out; and how an answer's head is encoded.
+
+Runs in the proxy process, on its event loop. Split from ``server.py`` (which parses and keeps
+connections) so that handlers and the P/D logic depend on these types only.
+
+Invariants: a ``StreamResponse`` writes nothing before ``prepare``; its chunks are never empty
+(an empty chunk would end a chunked body); a write to a client that went away raises
+``ConnectionResetError``, and a write waits while the connection's send buffer is full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Protocol
+
+
+class Connection(Protocol):
+    """The side of a client connection a streamed answer writes to (``server._Connection``)."""
+
+    closing: bool
+    keep_alive: bool
+    version: str
+    write_paused: bool
+
+    @property
+    def shutting_down(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+class Request:
+    """One client request, body included (the server reads it whole before the handler)."""
+
+    __slots__ = (
+        "method",
+        "path",
+        "query",
+        "version",
+        "body",
+        "keep_alive",
+        "_headers",
+        "connection",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        version: str,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        keep_alive: bool,
+        connection: Connection | None = None,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.version = version
+        self.body = body
+        self.keep_alive = keep_alive
+        self._headers = headers  # lower-case names; repeated headers joined with ", "
+        self.connection = connection  # where to write a streamed answer
+
+    def header(self, name: str) -> str | None:
+        """The value of header ``name`` (any case), or None."""
+        value = self._headers.get(name.lower().encode("latin-1"))
+        return None if value is None else value.decode("latin-1")
+
+
+class Response:
+    """A whole answer, sent with ``Content-Length`` in one write."""
+
+    __slots__ = ("status", "body", "headers")
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        status: int = 200,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.headers = {"Content-Type": content_type, **(headers or {})}
+
+
+# The headers of every Server-Sent-Events answer the proxy streams.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class StreamResponse:
+    """An answer written as it is produced: ``prepare`` sends the head, ``write`` a piece of
+    the body, ``write_eof`` the end. Chunked for HTTP/1.1 clients, close-delimited for 1.0."""
+
+    __slots__ = ("status", "headers", "_conn", "_chunked", "_done")
+
+    def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.headers = dict(headers or {})
+        self._conn: Connection | None = None
+        self._chunked = True
+        self._done = False
+
+    @property
+    def prepared(self) -> bool:
+        return self._conn is not None
+
+    async def prepare(self, request: Request) -> None:
+        conn = request.connection
+        if conn is None or conn.closing:
+            raise ConnectionResetError("the client went away")
+        self._conn = conn
+        self._chunked = request.version != "1.0"
+        if not self._chunked or conn.shutting_down:
+            conn.keep_alive = False  # 1.0: the end of the body is the end of the connection
+        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
+        conn.write(encode_head(self.status, self.headers, conn.keep_alive, conn.version, framing))
+        await conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("write before prepare")
+        if conn.closing:
+            raise ConnectionResetError("the client went away")
+        if not data:
+            return  # an empty chunk would end a chunked body
+        conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def write_eof(self) -> None:
+        conn = self._conn
+        if conn is None or self._done:
+            return
+        self._done = True
+        if self._chunked and not conn.closing:
+            conn.write(b"0\r\n\r\n")
+        await conn.drain()
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+ErrorResponse = Callable[[int, str], Response]
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
+
+
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %b\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+_date_second = 0
+_date_header = b""
+
+
+def _date() -> bytes:
+    """The ``Date`` header line, formatted once a second."""
+    global _date_second, _date_header
+    now = int(time.time())
+    if now != _date_second:
+        _date_second = now
+        _date_header = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+    return _date_header
+
+
+def encode_head(
+    status: int, headers: dict[str, str], keep_alive: bool, version: str, extra: bytes = b""
+) -> bytes:
+    """The status line and headers of an answer (``extra``: pre-encoded header lines)."""
+    line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, _reason(status))
+    parts = [line, _date(), extra]
+    for name, value in headers.items():
+        parts.append(f"{name}: {value}\r\n".encode("latin-1"))
+    if not keep_alive:
+        parts.append(b"Connection: close\r\n")
+    elif version == "1.0":
+        parts.append(b"Connection: keep-alive\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
