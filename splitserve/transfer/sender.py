@@ -288,17 +288,20 @@ class KVSender:
         if any(out.record.state is S.AWAITING_REGISTRATION for out in self._in_step):
             self._process_inbox()
         self._layers_seen.add(layer)
-        if self._in_step:
-            if in_forward:
-                self.stats.layers_posted_in_forward += 1
-            else:
-                self.stats.layers_posted_at_step_end += 1
+        if self._in_step and in_forward:
+            self.stats.layers_posted_in_forward += 1
+        posted = False
         for out in self._in_step:
             if out.record.state is not S.STREAMING or out.step_computed is None:
                 continue
             hi = min(self._ready_blocks(out, out.step_computed), out.end)
             if hi > out.sent_upto:
                 self._post(out, [layer], out.sent_upto, hi)
+                posted = True
+        # Counted only when the catch-up posted something: a step opened after a forward the
+        # hook covered (SGLang's ``send`` per chunk) finds nothing left and is no bulk transfer.
+        if posted and not in_forward:
+            self.stats.layers_posted_at_step_end += 1
 
     def _ready_blocks(self, out: Outgoing, computed: int | None = None) -> int:
         c = out.computed if computed is None else computed
@@ -385,17 +388,22 @@ class KVSender:
                 logger.warning("sender: unexpected %s from %s", message.type, peer)
 
     def _on_hello(self, peer: PeerRef, hello: messages.Hello) -> None:
+        # A connection speaks for one agent: its ZMQ routing id is derived from the agent's
+        # name (the ROUTER refuses a second live connection with the same id), so a HELLO
+        # replayed on another connection cannot take over a live receiver's agent and make us
+        # write into its blocks (docs/security.md).
+        if peer.inbound != messages.routing_id(hello.agent_name):
+            self._refuse_hello(peer, hello, "the connection does not belong to this agent")
+            return
         try:
             layout = KVLayout.model_validate(hello.layout)
             name = self.agent.add_peer(hello.agent_metadata, layout)
         except Exception as exc:  # bad metadata or layout: refuse this peer, keep serving
-            logger.warning("refusing HELLO from %s (%s): %s", peer, hello.agent_name, exc)
-            self.channel.send(peer, messages.Abort(transfer_id="*", reason=f"hello: {exc}"))
+            self._refuse_hello(peer, hello, str(exc)[:300])
             return
         if name != hello.agent_name:
-            logger.warning(
-                "HELLO from %s names %s, metadata names %s", peer, hello.agent_name, name
-            )
+            self._refuse_hello(peer, hello, f"its metadata names agent {name[:128]!r}")
+            return
         assert peer.inbound is not None
         self._peer_agents[peer.inbound] = name
         self.channel.send(peer, self.strategy.hello_ack())
@@ -476,9 +484,18 @@ class KVSender:
             return str(exc)
         return None
 
+    def _refuse_hello(self, peer: PeerRef, hello: messages.Hello, reason: str) -> None:
+        self.stats.registrations_rejected += 1
+        self._peer_log.warn(
+            str(peer), "hello", "refusing HELLO from %s (%s): %s", peer, hello.agent_name, reason
+        )
+        self.channel.send(peer, messages.Abort(transfer_id="*", reason=f"hello: {reason}"))
+
     def _on_abort(self, peer: PeerRef, abort: messages.Abort) -> None:
         transfer_id = abort.transfer_id
-        self._orphans.pop(transfer_id, None)
+        orphan = self._orphans.get(transfer_id)
+        if orphan is not None and orphan.peer == peer:  # only its registrant withdraws it
+            del self._orphans[transfer_id]
         out = self._transfers.get(transfer_id)
         if out is None or out.peer is None or out.peer != peer:
             # Nothing of ours writes for this id on this peer's behalf: settled at once.

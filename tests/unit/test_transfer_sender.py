@@ -203,6 +203,22 @@ def test_layers_posted_in_the_forward_and_at_step_end_are_counted_apart(directio
     )
 
 
+def test_a_catch_up_step_with_nothing_left_is_not_counted_at_step_end():
+    """SGLang's ``send`` opens a step per chunk after a forward whose hook posted every layer:
+    ``end_step`` then finds nothing to post, which is no bulk transfer."""
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 2 * B)
+    register(channel, "t", [5, 6])
+    sender.begin_step([StepUpdate("t", [1, 2], B)])
+    for layer in range(LAYERS):
+        sender.layer_done(layer)
+    sender.end_step()
+    sender.begin_step([StepUpdate("t", [1, 2], B)])  # the chunk's catch-up step
+    sender.end_step()
+    assert sender.stats.layers_posted_in_forward == LAYERS
+    assert sender.stats.layers_posted_at_step_end == 0
+
+
 def test_layers_of_a_step_without_transfers_are_not_counted():
     sender, agent, channel = make_sender()
     sender.begin_step([])
