@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
+from metrics_text import fetch_metrics, metric_sum
 
 from splitserve.netutil import free_ports
 from splitserve.proxy import dispatch
@@ -144,15 +144,8 @@ def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> 
 
 
 def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            match = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)", line)
-            if match:
-                total += float(match.group(2))
-    return total
+    """Sum of a metric's samples on ``url``'s ``/metrics`` (every label set)."""
+    return metric_sum(fetch_metrics(url), name)
 
 
 def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import openai
 import pytest
+from metrics_text import fetch_metrics, metric_sum
 
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
@@ -136,10 +135,7 @@ def text_prompt(words: int, seed: int) -> str:
 
 
 def _kv_usage(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    found = re.findall(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for v in found)
+    return metric_sum(fetch_metrics(url), "vllm:kv_cache_usage_perc")
 
 
 def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:
@@ -237,14 +233,10 @@ def test_first_token_that_ends_the_request(ss_pair, concurrent_proxy) -> None:
 
 
 def _fallbacks(proxy_url: str) -> float:
-    with urllib.request.urlopen(proxy_url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    found = re.findall(
-        r'^splitserve_proxy_first_token_fallbacks_total\{reason="stop_string_at_seam"\} (\S+)$',
-        text,
-        re.M,
+    text = fetch_metrics(proxy_url)
+    return metric_sum(
+        text, "splitserve_proxy_first_token_fallbacks_total", reason="stop_string_at_seam"
     )
-    return float(found[0]) if found else 0.0
 
 
 def test_stop_string_across_the_seam_matches_colocated(ss_pair, concurrent_proxy) -> None:

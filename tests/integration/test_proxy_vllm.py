@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import openai
 import pytest
+from metrics_text import fetch_metrics, metric_sum, samples
 
 from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
@@ -115,15 +116,7 @@ def reference(url: str, prompt: str, max_tokens: int) -> openai.types.Completion
 
 def vllm_metric(url: str, name: str, **labels: str) -> float:
     """Sum of a vLLM Prometheus metric's samples whose labels include ``labels``."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(fetch_metrics(url, timeout=10), name, **labels)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
@@ -208,16 +201,11 @@ def test_sequential_nixl_concurrent_clients(servers, nixl_pair, proxy) -> None:
 
 def test_metrics_models_and_ready(nixl_pair, proxy) -> None:
     client(proxy.url).completions.create(model="tiny", prompt="metrics", max_tokens=2)
-    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    assert 'splitserve_proxy_requests_total{route="completions",status="200"}' in text
+    text = fetch_metrics(proxy.url, timeout=10)
+    requests = samples(text, "splitserve_proxy_requests_total", route="completions", status="200")
+    assert requests and requests[0].value > 0
     for name in ("prefill", "handoff", "ttft", "request"):
-        count = [
-            ln
-            for ln in text.splitlines()
-            if ln.startswith(f"splitserve_proxy_{name}_seconds_count")
-        ]
-        assert count and float(count[0].rsplit(" ", 1)[1]) > 0, name
+        assert metric_sum(text, f"splitserve_proxy_{name}_seconds_count") > 0, name
     models = client(proxy.url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     with urllib.request.urlopen(proxy.url + "/ready", timeout=10) as r:
@@ -308,6 +296,6 @@ def test_decode_killed_midstream(nixl_pair, victim) -> None:
         for _ in range(2):  # later requests avoid the dead server
             out = c.completions.create(model="tiny", prompt="after", max_tokens=3)
             assert out.usage.completion_tokens == 3
-        with urllib.request.urlopen(running.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        assert 'splitserve_proxy_ejections_total{pool="decode",server="' + victim.url in text
+        text = fetch_metrics(running.url, timeout=10)
+        ejected = samples(text, "splitserve_proxy_ejections_total", pool="decode")
+        assert any(s.labels["server"].startswith(victim.url) for s in ejected), ejected
