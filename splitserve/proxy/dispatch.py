@@ -8,7 +8,7 @@ nowhere else. Runs wherever it is imported (the proxy process, a test); imports 
 Invariants:
 - Every function returns new top-level dicts and never mutates the caller's ``body``; nested
   values (``messages``, ``prompt`` lists) are shared with it, read-only, so that building the
-  bodies costs microseconds (the bodies are serialized at once and never changed after).
+  bodies copies no prompt (the bodies are serialized at once and never changed after).
 - Fields that steer a KV transfer (``kv_transfer_params``, ``bootstrap_*``) are always overwritten
   with the values given here, so a client can never make a server connect to a host the proxy
   did not choose.
@@ -60,7 +60,8 @@ _random = _RandomBytes()
 
 def new_transfer_id() -> str:
     """A fresh transfer id (128 random bits as 32 hex digits): one per attempt, never reused on a
-    retry. From ``os.urandom`` (buffered): ``uuid4`` costs several times more on the hot path."""
+    retry. From ``os.urandom`` (buffered), cheaper than ``uuid4`` on the hot path
+    (docs/benchmarks.md, "Hot path after a profile")."""
     return _random.take(16).hex()
 
 

@@ -288,21 +288,28 @@ def _count_first_token(usage: Any) -> Any:
 
 class StreamRewriter:
     """Rewrites D's SSE stream after the first token was sent: one ``id``, no second chat role
-    chunk, usage counting P's token. Feed it D's bytes as they come; it returns whole events."""
+    chunk, usage counting P's token. Feed it D's bytes as they come; it returns whole events.
+
+    Most of D's events (one token each) need only their ``id`` changed. Once an event parsed in
+    full has shown D's id, an event that holds exactly ``"id":"<D's id>"`` and no ``"usage":``,
+    ``"role":`` or ``"error":`` key gets that one substring replaced instead of being decoded
+    and encoded again: in JSON an unescaped ``"`` only delimits strings, so the pattern can
+    only be the ``id`` key with D's id as its value, never text. Any other event is parsed."""
 
     def __init__(self, head: PrefillHead) -> None:
         self.head = head
         self._buffer = b""
+        self._d_id: bytes | None = None  # b'"id":"<D's id>"' as D wrote it, once seen
+        self._p_id = b'"id":' + jsonio.dumps(head.id) if head.id else None
 
     def feed(self, data: bytes) -> bytes:
-        self._buffer += data
+        if self._buffer:
+            data = self._buffer + data
+        events = data.split(b"\n\n")
+        self._buffer = events.pop()  # an unterminated event waits for its end
         out = []
-        while True:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                break
-            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
-            rewritten = self._rewrite(event)
+        for event in events:
+            rewritten = self._rewrite(event + b"\n\n")
             if rewritten:
                 out.append(rewritten)
         return b"".join(out)
@@ -313,6 +320,15 @@ class StreamRewriter:
         return rest
 
     def _rewrite(self, event: bytes) -> bytes:
+        d_id = self._d_id
+        if (
+            d_id is not None  # (only set when P's id is)
+            and d_id in event
+            and b'"usage":' not in event
+            and b'"role":' not in event
+            and b'"error":' not in event
+        ):
+            return event.replace(d_id, self._p_id)  # type: ignore[arg-type]
         text = event.strip()
         if not text.startswith(b"data:"):
             return event
@@ -326,6 +342,8 @@ class StreamRewriter:
         if not isinstance(data, dict) or "error" in data:
             return event
         if self.head.id:
+            if self._d_id is None and isinstance(data.get("id"), str):
+                self._d_id = b'"id":' + jsonio.dumps(data["id"])  # as D (pydantic) writes it
             data["id"] = self.head.id
         choices = data.get("choices")
         if self.head.chat and isinstance(choices, list):

@@ -216,6 +216,94 @@ def test_stream_rewriter_one_id_no_second_role_usage_counts_the_first_token():
     assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
 
 
+def _sse(event: Any, compact: bool = True) -> bytes:
+    text = json.dumps(event, separators=(",", ":")) if compact else json.dumps(event)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+def _stream_of_d(chat: bool, compact: bool) -> bytes:
+    """D's stream as vLLM writes it (compact JSON) or with spaces, with the awkward events."""
+    base = {"id": "d-id", "object": "x", "created": 2, "model": "tiny"}
+    key = "delta" if chat else "text"
+
+    def choice(text: str, finish: str | None = None) -> dict[str, Any]:
+        value: Any = {"content": text} if chat else text
+        return {"index": 0, key: value, "finish_reason": finish}
+
+    events: list[Any] = []
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        events.append({**base, "choices": [role]})
+    events += [
+        {**base, "choices": [choice("B")]},
+        {**base, "choices": [choice('text with "id":"d-id" and "usage": inside')]},
+        {**base, "choices": [choice("é😀\\")]},
+        {"object": "x", "choices": [choice("no id")]},  # an event without an id: gets P's
+        {**base, "choices": [choice("C", "length")]},
+        {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+        {"error": {"message": "broke", "id": "d-id"}},
+    ]
+    return b"".join(_sse(e, compact) for e in events) + b"data: [DONE]\n\n"
+
+
+class _ParseEveryEvent(stitch.StreamRewriter):
+    """The reference: never learns D's id, so every event is decoded and encoded again."""
+
+    @property
+    def _d_id(self) -> None:
+        return None
+
+    @_d_id.setter
+    def _d_id(self, value: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("cut", [1, 7, 64, 10_000])
+def test_stream_rewriter_fast_path_gives_what_parsing_every_event_gives(
+    chat, compact, cut, monkeypatch
+):
+    decoded: list[bytes] = []
+    loads = stitch.jsonio.loads
+    monkeypatch.setattr(stitch.jsonio, "loads", lambda raw: decoded.append(raw) or loads(raw))
+    head = stitch.PrefillHead.from_prefill_answer(
+        StubVllm._whole(chat, ["A"], "length", "p-id"), chat=chat
+    )
+    wire = _stream_of_d(chat, compact)
+    fast, slow = stitch.StreamRewriter(head), _ParseEveryEvent(head)
+    got_fast, got_slow = b"", b""
+    for i in range(0, len(wire), cut):
+        got_fast += fast.feed(wire[i : i + cut])
+    got_fast += fast.flush()
+    parsed_fast = len(decoded)
+    for i in range(0, len(wire), cut):
+        got_slow += slow.feed(wire[i : i + cut])
+    got_slow += slow.flush()
+    parsed_slow = len(decoded) - parsed_fast
+    # Compact (as vLLM writes): after the first event parsed (it shows D's id), the token
+    # events without usage, role or error skip parsing (3 of them; 4 in chat, where the first
+    # event parsed is D's role chunk).
+    skipped = (4 if chat else 3) if compact else 0
+    assert parsed_fast == parsed_slow - skipped
+
+    def parsed(raw: bytes) -> list[Any]:
+        return [
+            e[6:].decode() if e[6:] == b"[DONE]" else json.loads(e[6:])
+            for e in raw.split(b"\n\n")
+            if e
+        ]
+
+    assert parsed(got_fast) == parsed(got_slow)
+    events = parsed(got_fast)
+    assert all(e["id"] == "p-id" for e in events if isinstance(e, dict) and "error" not in e)
+    assert events[-2]["error"]["id"] == "d-id", "an error event passes unchanged"
+    assert events[-3]["usage"]["completion_tokens"] == 5
+    text_key = "delta" if chat else "text"
+    inner = events[1]["choices"][0][text_key]
+    assert (inner["content"] if chat else inner) == 'text with "id":"d-id" and "usage": inside'
+
+
 # -- the flow through the proxy -----------------------------------------------------------------
 
 
