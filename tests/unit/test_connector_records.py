@@ -168,6 +168,7 @@ def make_worker():
 
     worker = SplitserveWorker(parse_connector_config({"side_channel_port": 5701}), "e", 8, 4)
     worker.sender, worker.receiver = RecordingSender(), RecordingReceiver()
+    worker.channel = SimpleNamespace(check=lambda: None)
     return worker
 
 
@@ -229,3 +230,34 @@ def test_worker_tracks_both_sides_of_one_transfer_id():
     worker.receiver.outcomes = {"t": SimpleNamespace(ok=True, first_token=None, reason=None)}
     assert worker.get_transfer_results() == ({"p"}, {"d"}, set())
     assert worker._transfers == {}
+
+
+def test_worker_stats_export_the_overlap_counters_as_deltas():
+    """The overlap proof reaches vLLM's metrics: ``layers_posted_in_forward`` and
+    ``layers_posted_at_step_end`` travel as deltas like every other counter."""
+    from splitserve.connectors.vllm.stats import COUNTERS
+    from splitserve.transfer.outgoing import SenderStats
+
+    worker = make_worker()
+    worker.sender.stats = SenderStats()
+    worker.receiver.stats = SimpleNamespace(
+        messages_rejected=0,
+        transfers_completed=0,
+        transfers_failed=0,
+        done_timeouts=0,
+        post_seconds=0.0,
+        reads_posted=0,
+        bytes_read=0,
+        completed_on_first_token=0,
+        handoffs_s=[],
+    )
+    worker.channel = SimpleNamespace(rejected=0, relayed=0)
+    assert {"layers_posted_in_forward", "layers_posted_at_step_end"} <= set(COUNTERS)
+    assert worker.stats() is None
+    worker.sender.stats.layers_posted_in_forward = 6
+    worker.sender.stats.layers_posted_at_step_end = 2
+    data = worker.stats().data
+    assert (data["layers_posted_in_forward"], data["layers_posted_at_step_end"]) == (6, 2)
+    worker.sender.stats.layers_posted_in_forward = 10
+    data = worker.stats().data
+    assert (data["layers_posted_in_forward"], data["layers_posted_at_step_end"]) == (4, 0)

@@ -49,6 +49,10 @@ COUNTERS: dict[str, str] = {
     "from its engine straight to a decode server (pull, first token from prefill)",
     "loads_completed_on_first_token": "Decode-side loads completed on the prefill engine's "
     "relayed first token, before (without) its DONE",
+    "layers_posted_in_forward": "Layers the engine's per-layer hook reported during a prefill "
+    "step with transfers in it, posted while the forward ran (the layer-wise overlap)",
+    "layers_posted_at_step_end": "Layers the per-layer hook never reported, which the end of "
+    "the step had to post after the forward (zero while the hook fires)",
 }
 HANDOFF = "exposed_handoff_s"
 

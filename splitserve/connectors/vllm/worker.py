@@ -347,6 +347,8 @@ class SplitserveWorker:
             "bytes_read": r.bytes_read,
             "first_tokens_relayed": self.channel.relayed,
             "loads_completed_on_first_token": r.completed_on_first_token,
+            "layers_posted_in_forward": s.layers_posted_in_forward,
+            "layers_posted_at_step_end": s.layers_posted_at_step_end,
         }
         data: dict[str, Any] = {}
         for name in COUNTERS:
