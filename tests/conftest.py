@@ -112,6 +112,7 @@ INTEGRATION_ORDER = [
     "test_adaptive_scheduler.py",  # "unified", "adaptive-scheduler"
     "test_connector_vllm.py",  # "ss-a", "ss-b"
     "test_proxy_splitserve.py",  # "ss-a", "ss-b"
+    "test_control_plane.py",  # "ss-a", "ss-b"
     "test_proxy_vllm.py",  # stock NIXL pair
     "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
     "test_proxy_sglang.py",  # the same pair

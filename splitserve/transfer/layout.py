@@ -27,6 +27,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MemoryKind = Literal["DRAM", "VRAM"]
+# A peer's cache may be larger than ours (a decode server with more memory), up to this factor.
+PEER_BLOCKS_FACTOR = 16
 
 
 class LayerLayout(BaseModel):
@@ -90,6 +92,13 @@ class KVLayout(BaseModel):
         for index, (mine, theirs) in enumerate(zip(self.layers, other.layers, strict=True)):
             if [n for _, n in mine.runs] != [n for _, n in theirs.runs]:
                 return f"layer {index}: block runs {mine.runs} != peer's {theirs.runs}"
+            # The peer's numbers size what we allocate for it (a descriptor per block and run):
+            # bounded by our own cache, so a peer cannot make us allocate by its word alone.
+            if theirs.num_blocks > PEER_BLOCKS_FACTOR * mine.num_blocks:
+                return (
+                    f"layer {index}: peer declares {theirs.num_blocks} blocks, more than "
+                    f"{PEER_BLOCKS_FACTOR}x our {mine.num_blocks}"
+                )
         return None
 
     def validate_block_ids(

@@ -267,6 +267,13 @@ def _first_error(exc: ValidationError) -> str:
     return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"[:300]
 
 
+def routing_id(agent_name: str) -> bytes:
+    """The ZMQ routing id of the connection a receiver opens as ``agent_name``: the sender binds
+    a HELLO to it (a ROUTER admits one live connection per id), so a connection can speak only
+    for the agent it was opened for. Never starts with a zero byte (ZMQ reserves those)."""
+    return b"ss:" + hashlib.sha256(agent_name.encode()).digest()[:16]
+
+
 def key_bytes(auth_key: str | None) -> bytes | None:
     """The configured key as bytes (None when not set or empty)."""
     return auth_key.encode() if auth_key else None

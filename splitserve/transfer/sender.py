@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.auth import PeerLog
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.outgoing import Outgoing, Reply, SenderStats, SendStrategy, StepUpdate
 from splitserve.transfer.send_pull import PullSending
@@ -108,6 +109,7 @@ class KVSender:
         self._orphans: dict[str, _Orphan] = {}
         self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
         self._peer_agents: dict[bytes, str] = {}  # ROUTER identity -> agent name
+        self._peer_log = PeerLog(logger)
         self._in_step: list[Outgoing] = []
         self._layers_seen: set[int] = set()
         self._stepping = False

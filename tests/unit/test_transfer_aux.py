@@ -40,7 +40,7 @@ LAYOUT = KVLayout(
     ),
     aux_layers=2,
 )
-PEER = PeerRef(inbound=b"d-1")
+PEER = PeerRef(inbound=messages.routing_id("D"))
 
 
 def make_sender():

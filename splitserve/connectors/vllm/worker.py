@@ -202,6 +202,10 @@ class SplitserveWorker:
     def bind(self, meta: SplitserveConnectorMetadata) -> None:
         sender, receiver = self.sender, self.receiver
         assert sender is not None and receiver is not None, "register_kv_caches not called"
+        assert self.channel is not None
+        # A dead side channel must stop the engine (its /health then fails), not leave every
+        # transfer waiting for its timeout behind a server that looks healthy.
+        self.channel.check()
         transfers, outbox = self._transfers, self._outbox
         with self._lock:
             for start in meta.produce_start:

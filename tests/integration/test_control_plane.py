@@ -1,0 +1,295 @@
+"""The control plane under attack, on the real connector pair (``ss-a`` / ``ss-b``, keyed):
+hostile bytes cannot stop P's side channel, a hostile P cannot hurt D, D contacts no address
+it should not hold blocks for, and a key mismatch fails fast and says so (docs/security.md).
+
+The attackers are scripts (plain ZMQ sockets, a ZMQ ROUTER playing P): fakes only for the
+attacker, real vLLM servers for everything under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import zmq
+from test_connector_vllm import (  # the same helpers as the connector's own tests
+    assert_same,
+    body_for,
+    concurrent_flow,
+    metric,
+    post,
+    prompt_of,
+    reference,
+    wait_kv_usage_zero,
+)
+
+from splitserve.proxy import dispatch
+from splitserve.transfer import messages
+from splitserve.transfer.auth import CurveKeys
+
+pytestmark = pytest.mark.integration
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def pair(ss_pair):
+    return ss_pair
+
+
+def _tree_rss(pid: int) -> int:
+    proc = psutil.Process(pid)
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def _tree_fds(pid: int) -> int:
+    proc = psutil.Process(pid)
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.num_fds()
+    return total
+
+
+def _server_pid(servers, key: str) -> int:
+    pid = servers.group.servers[key].process.pid
+    assert pid is not None
+    return pid
+
+
+def _hostile_frames(rng: random.Random) -> list[list[bytes]]:
+    """What the issue's attacker sends: deep JSON, a three-frame message, 1000 random frames,
+    and a HELLO declaring a billion blocks (the 64 MiB frame is sent on its own socket: ZMQ
+    drops the connection that sends it)."""
+    billion = messages.Hello(
+        agent_name="mallory",
+        agent_metadata=b"\x00" * 64,
+        layout={
+            "block_size": 16,
+            "layers": [
+                {"base_addr": 0, "block_stride": 64, "num_blocks": 10**9, "runs": [[0, 64]]}
+            ],
+        },
+    )
+    frames: list[list[bytes]] = [
+        [b"\x00" + b"[" * 2000],
+        [b"\x00" + b'{"a":' * 5000],
+        [b"one", b"two", b"three"],
+        [messages.encode(billion, None)],
+    ]
+    frames += [[rng.randbytes(rng.randrange(1, 512))] for _ in range(1000)]
+    return frames
+
+
+def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
+    """Send every hostile frame from one connection (keyed: a peer holding the deployment key
+    gone rogue; unkeyed: anyone on the network). Returns the number of messages sent."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        if key is not None:
+            CurveKeys.derive(key).apply_client(sock)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        frames = _hostile_frames(rng)
+        if key is not None:
+            frames[3] = [messages.encode(messages.decode(frames[3][0]), key)]
+        for parts in frames:
+            sock.send_multipart(parts, zmq.NOBLOCK)
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            CurveKeys.derive(key).apply_client(big)
+        big.connect(f"tcp://127.0.0.1:{port}")
+        big.send(b"\x00" + b"x" * (64 * MiB), zmq.NOBLOCK)
+        time.sleep(2.0)  # let the bytes leave before the sockets close
+        big.close(0)
+        sock.close(0)
+        return len(frames)
+    finally:
+        ctx.destroy(0)
+
+
+def test_hostile_frames_cannot_stop_the_prefill_side_channel(pair, servers):
+    """Deep JSON, a 64 MiB frame, a three-frame message, 1000 random frames and a HELLO with
+    10**9 blocks, from a peer without the key and from one with it: afterwards a concurrent
+    request still equals colocated within 30 s, every refusal is counted, P's RSS grew < 200 MB.
+    """
+    p, d = pair["ss-a"], pair["ss-b"]
+    p_url, p_side = p
+    prompt = prompt_of(300, 1501)
+    ref = reference(p_url, prompt)
+    pid = _server_pid(servers, "ss-a")
+    rss_before = _tree_rss(pid)
+    rejected_before = metric(p_url, "vllm:splitserve_messages_rejected_total")
+    rng = random.Random(7)
+    _attack(p_side, None, rng)
+    keyed = _attack(p_side, pair.auth_key.encode(), rng)
+    start = time.monotonic()
+    answer = concurrent_flow(p, d, prompt)
+    assert time.monotonic() - start < 30, "the side channel stalled after the attack"
+    assert_same(answer, ref, "after hostile frames")
+    # The keyed attacker's malformed messages reach the decoder and are each refused (the
+    # HELLO is refused by the sender, not the decoder); the unkeyed one fails its handshake.
+    expected = (keyed - 1) + 1
+    end = time.monotonic() + 30
+    while metric(p_url, "vllm:splitserve_messages_rejected_total") < rejected_before + expected:
+        assert time.monotonic() < end, "refusals not counted"
+        time.sleep(0.5)
+    grown = _tree_rss(pid) - rss_before
+    assert grown < 200 * MiB, f"P's RSS grew {grown / MiB:.0f} MiB under the attack"
+    # still serving, again
+    assert_same(
+        concurrent_flow(p, d, prompt_of(70, 1502)),
+        reference(p_url, prompt_of(70, 1502)),
+        "second request after hostile frames",
+    )
+
+
+def _direct_d_request(d_url: str, prompt: list[int], host: str, port: int) -> dict:
+    _, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt, max_tokens=2), dispatch.new_transfer_id(), host, port
+    )
+    return post(d_url, decode, timeout=120)
+
+
+def test_requests_naming_a_closed_prefill_port_hold_nothing(pair, servers):
+    """600 direct requests to D naming a closed side-channel port (what anyone reaching D's
+    HTTP port can send): each is answered (D gives up on the unreachable P), D's KV usage
+    returns to 0, its open file descriptors grow by <= 10, and a real request succeeds."""
+    p, d = pair["ss-a"], pair["ss-b"]
+    d_url = d[0]
+    pid = _server_pid(servers, "ss-b")
+    fds_before = _tree_fds(pid)
+    from splitserve.netutil import free_port
+
+    closed = free_port()
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(
+            pool.map(
+                lambda i: _direct_d_request(d_url, prompt_of(20, 2000 + i), "127.0.0.1", closed),
+                range(600),
+            )
+        )
+    assert all("choices" in a or "http_error" in a for a in answers)
+    wait_kv_usage_zero(d_url)
+    grown = _tree_fds(pid) - fds_before
+    assert grown <= 10, f"D's open file descriptors grew by {grown}"
+    prompt = prompt_of(150, 2999)
+    start = time.monotonic()
+    assert_same(concurrent_flow(p, d, prompt), reference(p[0], prompt), "after 600 dead targets")
+    assert time.monotonic() - start < 10 + 20, "the real request waited behind the dead targets"
+
+
+class _HostileP:
+    """A ROUTER playing P: answers every HELLO with an absurd pull offer and ANNOUNCEs 10**5
+    layers for every REGISTER."""
+
+    def __init__(self, key: bytes) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.keys = CurveKeys.derive(key)
+        self.key = key
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        self.keys.apply_server(self.sock)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        absurd = {
+            "block_size": 16,
+            "layers": [{"base_addr": 0, "block_stride": 1, "num_blocks": 10**12, "runs": [[0, 1]]}]
+            * 3,
+        }
+        while not self.stop.is_set():
+            if not self.sock.poll(100):
+                continue
+            ident, wire = self.sock.recv_multipart()[:2]
+            try:
+                message = messages.decode(wire, self.key)
+            except messages.MessageError:
+                continue
+            if isinstance(message, messages.Hello):
+                ack = messages.HelloAck(
+                    agent_name="hostile-p",
+                    direction="pull",
+                    agent_metadata=os.urandom(256),
+                    layout=absurd,
+                )
+                self.sock.send_multipart([ident, messages.encode(ack, self.key)])
+            elif isinstance(message, messages.Register):
+                announce = messages.Announce(
+                    transfer_id=message.transfer_id,
+                    layers=list(range(4095)),
+                    src_block_ids=[0] * 1000,
+                    dst_block_ids=[1] * 1000,
+                )
+                wire = messages.encode(announce, self.key)
+                for _ in range(25):  # 10**5 layers announced in all
+                    self.sock.send_multipart([ident, wire])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.auth.stop()
+        self.ctx.destroy(0)
+
+
+def test_a_hostile_prefill_server_cannot_hurt_the_decode_server(pair, servers):
+    """A P (holding the key) that answers HELLO with absurd sizes and ANNOUNCEs 10**5 layers:
+    the load fails, D serves a real request within 5 s after, D's RSS grows < 100 MB."""
+    p, d = pair["ss-a"], pair["ss-b"]
+    d_url = d[0]
+    pid = _server_pid(servers, "ss-b")
+    rss_before = _tree_rss(pid)
+    hostile = _HostileP(pair.auth_key.encode())
+    try:
+        answer = _direct_d_request(d_url, prompt_of(200, 3001), "127.0.0.1", hostile.port)
+        # The load failed; D either recomputed the prompt (vLLM's recompute policy) or
+        # answered an error: either way it answered, and nothing of the hostile P was used.
+        assert "choices" in answer or "http_error" in answer
+    finally:
+        hostile.close()
+    prompt = prompt_of(120, 3002)
+    ref = reference(p[0], prompt)
+    start = time.monotonic()
+    assert_same(concurrent_flow(p, d, prompt), ref, "after a hostile P")
+    assert time.monotonic() - start < 5 + 25, "D was slow to serve after the hostile P"
+    wait_kv_usage_zero(d_url)
+    grown = _tree_rss(pid) - rss_before
+    assert grown < 100 * MiB, f"D's RSS grew {grown / MiB:.0f} MiB"
+
+
+def test_a_prefill_server_with_another_key_fails_the_load_at_once_saying_key(pair, servers):
+    """D's key differs from this P's: the handshake fails, D gives up in well under 5 s and its
+    log says 'key' (not a 60 s wait per request)."""
+    d_url = pair["ss-b"][0]
+    impostor = _HostileP(b"another-deployment-key-0123456789")
+    try:
+        start = time.monotonic()
+        answer = _direct_d_request(d_url, prompt_of(50, 4001), "127.0.0.1", impostor.port)
+        elapsed = time.monotonic() - start
+    finally:
+        impostor.close()
+    assert "choices" in answer or "http_error" in answer
+    assert elapsed < 5 + 10, f"a key mismatch took {elapsed:.1f} s to fail the load"
+    log = servers.group.servers["ss-b"].process.log_path.read_text(errors="replace")
+    assert "key mismatch" in log

@@ -1,0 +1,170 @@
+"""Unit tests of our own bounds on what a peer sends (pure: no socket, no engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+
+from splitserve.transfer import messages
+from splitserve.transfer.auth import CurveKeys, PeerLog
+from splitserve.transfer.layout import PEER_BLOCKS_FACTOR, KVLayout
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 2000,
+        b'{"a":' * 5000,
+        b"\xff\xfe",
+        b"[]",
+        b'{"v": 1, "type": "abort", "transfer_id": "t", "reason": "' + b"x" * 5000 + b'"}',
+        b'{"v": 1, "type": "register", "transfer_id": "t", "agent_name": "a", "block_ids": [[-1]],'
+        b' "token_offset": 0}',
+        b'{"v": 1, "type": "announce", "transfer_id": "t", "layers": [99999],'
+        b' "src_block_ids": [0], "dst_block_ids": [0]}',
+        b'{"v": 1, "type": "done", "transfer_id": "' + b"t" * 200 + b'", "num_blocks": 1,'
+        b' "prefill_end_wall": 0}',
+    ],
+)
+def test_any_hostile_body_is_a_message_error(body: bytes) -> None:
+    with pytest.raises(messages.MessageError):
+        messages.decode(b"\x00" + body)
+
+
+def test_random_bytes_never_escape_as_another_exception() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        wire = rng.randbytes(rng.randrange(0, 300))
+        with contextlib.suppress(messages.MessageError):
+            messages.decode(wire, b"k" * 16 if rng.random() < 0.5 else None)
+
+
+def test_an_oversized_message_is_refused_before_parsing() -> None:
+    with pytest.raises(messages.MalformedMessageError, match="limit"):
+        messages.decode(b"\x00" + b" " * (messages.MAX_MESSAGE_BYTES + 1))
+
+
+def _layout(num_blocks: int) -> KVLayout:
+    layer = {"base_addr": 4096, "block_stride": 64, "num_blocks": num_blocks, "runs": [[0, 64]]}
+    return KVLayout.model_validate({"block_size": 16, "layers": [layer, layer]})
+
+
+def test_a_peer_declaring_absurd_block_counts_is_incompatible_before_any_allocation() -> None:
+    ours = _layout(1000)
+    assert ours.incompatibility(_layout(1000 * PEER_BLOCKS_FACTOR)) is None
+    problem = ours.incompatibility(_layout(10**12))
+    assert problem is not None and "more than" in problem
+
+
+def test_curve_keys_are_derived_alike_from_the_same_key_only() -> None:
+    a, b = CurveKeys.derive(b"k" * 16), CurveKeys.derive(b"k" * 16)
+    assert a == b and len(a.server_public) == 40 and a.server_public != a.client_public
+    assert CurveKeys.derive(b"j" * 16).server_public != a.server_public
+
+
+def test_peer_log_logs_once_per_peer_and_kind(caplog) -> None:
+    import logging
+
+    log = PeerLog(logging.getLogger("test.peerlog"), every_s=60)
+    with caplog.at_level(logging.WARNING, logger="test.peerlog"):
+        for _ in range(100):
+            log.warn("p1", "rejected", "bad from %s", "p1")
+        log.warn("p2", "rejected", "bad from %s", "p2")
+        log.warn("p1", "other", "other from %s", "p1")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad from p1",
+        "bad from p2",
+        "other from p1",
+    ]
+
+
+# -- a connection speaks for one agent (sender side; the attacker is a message in the inbox) ----
+
+
+def _hello_sender():
+    from fakes import FakeAgent, FakeChannel
+    from transfer_steps import LAYOUT
+
+    from splitserve.transfer.sender import KVSender
+
+    agent, channel = FakeAgent(LAYOUT), FakeChannel()
+    agent.peer_name = "D1"
+    sender = KVSender(agent, channel, lease_s=10.0)
+    return sender, agent, channel, LAYOUT
+
+
+def _hello(name: str, layout) -> messages.Hello:
+    return messages.Hello(agent_name=name, agent_metadata=b"m", layout=layout.model_dump())
+
+
+def test_a_hello_replayed_on_another_connection_is_refused_and_its_register_too() -> None:
+    from splitserve.transfer.side_channel import Inbound, PeerRef
+
+    sender, agent, channel, layout = _hello_sender()
+    d1 = PeerRef(inbound=messages.routing_id("D1"))
+    mallory = PeerRef(inbound=messages.routing_id("mallory"))
+    channel.inbox.append(Inbound(d1, _hello("D1", layout)))
+    channel.inbox.append(Inbound(mallory, _hello("D1", layout)))  # D1's HELLO, replayed
+    steal = messages.Register(transfer_id="x", agent_name="D1", block_ids=[[1, 2]], token_offset=0)
+    channel.inbox.append(Inbound(mallory, steal))
+    sender.poll()
+    to_mallory = [m for peer, m in channel.sent if peer == mallory]
+    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort"]
+    assert "does not belong" in to_mallory[0].reason and "HELLO" in to_mallory[1].reason
+    assert [type(m).__name__ for peer, m in channel.sent if peer == d1] == ["HelloAck"]
+    assert agent.peers_added == [b"m"], "the replayed HELLO was not even loaded"
+    assert sender.registration_of("x") is None
+
+
+def test_a_hello_whose_metadata_names_another_agent_is_refused() -> None:
+    from splitserve.transfer.side_channel import Inbound, PeerRef
+
+    sender, agent, channel, layout = _hello_sender()
+    agent.peer_name = "D2"  # the metadata inside is another agent's
+    peer = PeerRef(inbound=messages.routing_id("D1"))
+    channel.inbox.append(Inbound(peer, _hello("D1", layout)))
+    sender.poll()
+    (answer,) = [m for _, m in channel.sent]
+    assert isinstance(answer, messages.Abort) and "names agent 'D2'" in answer.reason
+
+
+def test_only_the_registrant_withdraws_an_early_registration() -> None:
+    from splitserve.transfer.side_channel import Inbound, PeerRef
+
+    sender, agent, channel, layout = _hello_sender()
+    d1 = PeerRef(inbound=messages.routing_id("D1"))
+    other = PeerRef(inbound=messages.routing_id("D9"))
+    channel.inbox.append(Inbound(d1, _hello("D1", layout)))
+    reg = messages.Register(transfer_id="t", agent_name="D1", block_ids=[[1]], token_offset=0)
+    channel.inbox.append(Inbound(d1, reg))  # before P has the request: kept as an orphan
+    channel.inbox.append(Inbound(other, messages.Abort(transfer_id="t", reason="hostile")))
+    sender.poll()
+    assert sender.registration_of("t") is not None, "another peer's ABORT withdrew it"
+
+
+def test_the_router_refuses_a_second_live_connection_with_the_same_routing_id() -> None:
+    """What the HELLO binding rests on: real ZMQ, two DEALERs with D1's routing id."""
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        socks = []
+        for text in (b"first", b"second"):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.ROUTING_ID, messages.routing_id("D1"))
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            dealer.send(text)
+            socks.append(dealer)
+            time.sleep(0.2)
+        got = []
+        while router.poll(500):
+            got.append(router.recv_multipart()[1])
+        assert got == [b"first"]
+    finally:
+        ctx.destroy(0)
