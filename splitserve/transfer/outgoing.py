@@ -14,10 +14,12 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from splitserve.transfer import messages
 from splitserve.transfer.agent import XferHandle
+from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.side_channel import PeerRef
 from splitserve.transfer.state import Transfer
 from splitserve.transfer.strategy import Direction
@@ -102,6 +104,40 @@ class Outgoing:
     @property
     def end(self) -> int:
         return self.first + len(self.dst_blocks)
+
+
+def registration_problem(
+    out: Outgoing,
+    reg: messages.Register,
+    block_size: int,
+    peer_layout: KVLayout | None,
+    aux_layers: list[int],
+) -> str | None:
+    """Why D's registration cannot be served (``None``: it can). ``peer_layout`` is the
+    registering agent's layout: D's block ids are checked against it before anything is
+    posted, so a peer can never make us write outside its cache."""
+    if len(reg.block_ids) > 1:
+        return f"{len(reg.block_ids)} KV cache groups, this sender supports one"
+    if reg.token_offset % block_size:
+        return f"token offset {reg.token_offset} not a multiple of block size"
+    dst = reg.block_ids[0] if reg.block_ids else []
+    first = reg.token_offset // block_size
+    total = math.ceil(out.num_tokens / block_size)
+    if first + len(dst) > total:
+        return f"asks blocks {first}..{first + len(dst) - 1}, request has {total}"
+    if len(set(dst)) != len(dst):
+        return "duplicate destination block ids"
+    if (reg.aux_row is None) != (out.aux_row is None):
+        return f"aux row {reg.aux_row!r}, this request's is {out.aux_row!r}"
+    if peer_layout is None:
+        return f"unknown peer agent {reg.agent_name!r}"
+    try:
+        peer_layout.validate_block_ids(dst, "registered block")
+        if reg.aux_row is not None:
+            peer_layout.validate_block_ids([reg.aux_row], "registered aux row", aux_layers[0])
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class SendStrategy:

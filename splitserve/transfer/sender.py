@@ -59,7 +59,14 @@ from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.auth import PeerLog
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.outgoing import Outgoing, Reply, SenderStats, SendStrategy, StepUpdate
+from splitserve.transfer.outgoing import (
+    Outgoing,
+    Reply,
+    SenderStats,
+    SendStrategy,
+    StepUpdate,
+    registration_problem,
+)
 from splitserve.transfer.send_pull import PullSending
 from splitserve.transfer.send_push import PushSending
 from splitserve.transfer.side_channel import PeerRef, SideChannel
@@ -429,7 +436,9 @@ class KVSender:
         if out.record.state is not S.AWAITING_REGISTRATION:
             self._refuse(peer, transfer_id, f"registration in state {out.record.state.value}")
             return
-        problem = self._registration_problem(out, reg)
+        problem = registration_problem(
+            out, reg, self.block_size, self.agent.peer_layout(reg.agent_name), self.aux_layers
+        )
         if problem:
             out.peer = peer  # so the ABORT reaches D
             self._fail(out, f"invalid registration: {problem}")
@@ -460,38 +469,6 @@ class KVSender:
             return
         if out.record.state is S.STREAMING and out.sent_upto >= out.end:
             out.record.transition(S.FLUSHING)
-
-    def _registration_problem(self, out: Outgoing, reg: messages.Register) -> str | None:
-        if len(reg.block_ids) > 1:
-            return f"{len(reg.block_ids)} KV cache groups, this sender supports one"
-        if reg.token_offset % self.block_size:
-            return f"token offset {reg.token_offset} not a multiple of block size"
-        dst = reg.block_ids[0] if reg.block_ids else []
-        first = reg.token_offset // self.block_size
-        total = math.ceil(out.num_tokens / self.block_size)
-        if first + len(dst) > total:
-            return f"asks blocks {first}..{first + len(dst) - 1}, request has {total}"
-        if len(set(dst)) != len(dst):
-            return "duplicate destination block ids"
-        if (reg.aux_row is None) != (out.aux_row is None):
-            return f"aux row {reg.aux_row!r}, this request's is {out.aux_row!r}"
-        peer = self.agent.peer_layout(reg.agent_name)
-        if peer is None:
-            return f"unknown peer agent {reg.agent_name!r}"
-        try:
-            peer.validate_block_ids(dst, "registered block")
-            if reg.aux_row is not None:
-                peer.validate_block_ids([reg.aux_row], "registered aux row", self.aux_layers[0])
-        except ValueError as exc:
-            return str(exc)
-        return None
-
-    def _refuse_hello(self, peer: PeerRef, hello: messages.Hello, reason: str) -> None:
-        self.stats.registrations_rejected += 1
-        self._peer_log.warn(
-            str(peer), "hello", "refusing HELLO from %s (%s): %s", peer, hello.agent_name, reason
-        )
-        self.channel.send(peer, messages.Abort(transfer_id="*", reason=f"hello: {reason}"))
 
     def _on_abort(self, peer: PeerRef, abort: messages.Abort) -> None:
         transfer_id = abort.transfer_id
