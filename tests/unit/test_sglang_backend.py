@@ -1,9 +1,13 @@
 """The ``splitserve`` SGLang transfer backend without servers: the plugin makes the backend name
 parse with SGLang's real argument parser and resolve to our classes; SGLang's buffers become a
 ``KVLayout`` (KV buffers, then aux rows); model layers map to their K and V buffers; settings
-are read from the environment with errors that name the variable."""
+are read from the environment with errors that name the variable; the prefill manager keeps one
+record per transfer (``bootstrap_room`` converted once) and fails through one path."""
 
 from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -102,3 +106,105 @@ def test_plugin_registers_the_backend_name_and_classes():
         disagg_utils.get_kv_class(backend, kinds.BOOTSTRAP_SERVER)
         is conn.SplitserveKVBootstrapServer
     )
+
+
+# -- the manager's records (P), without a server ---------------------------------------------
+
+
+class _Sender:
+    """Stands in for ``KVSender``: registrations and settled transfers a test hands it."""
+
+    def __init__(self):
+        self.registrations: dict = {}
+        self.settled: dict = {}
+        self.calls: list[tuple] = []
+        self.stats = SimpleNamespace(
+            transfers_completed=0,
+            writes_posted=0,
+            bytes_sent=0,
+            layers_posted_in_forward=0,
+            layers_posted_at_step_end=0,
+        )
+
+    def poll_settled(self):
+        settled, self.settled = self.settled, {}
+        return settled
+
+    def registration_of(self, transfer_id):
+        return self.registrations.get(transfer_id)
+
+    def cancelled(self, transfer_id):
+        return False
+
+    def add_request(self, transfer_id, num_tokens, aux_row=None):
+        self.calls.append(("add", transfer_id, num_tokens))
+
+    def cancel(self, transfer_id, reason):
+        self.calls.append(("cancel", transfer_id))
+
+    def begin_step(self, updates):
+        self.calls.append(("step", [(u.transfer_id, list(u.block_ids)) for u in updates]))
+
+    def end_step(self):
+        pass
+
+    def finish_request(self, transfer_id):
+        self.calls.append(("finish", transfer_id))
+
+
+def _manager():
+    """A prefill manager over a fake sender; SGLang's own bookkeeping recorded as it is."""
+    conn = pytest.importorskip("splitserve.connectors.sglang.conn")
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = conn.SplitserveKVManager.__new__(conn.SplitserveKVManager)
+    mgr.lock = threading.RLock()
+    mgr.sender, mgr.receiver = _Sender(), None
+    mgr.transfers, mgr.layers_hooked = {}, 0
+    mgr.kv_args = SimpleNamespace(page_size=4)
+    mgr.request_status, mgr.req_to_decode_prefix_len, mgr.failures = {}, {}, {}
+    mgr.update_status = mgr.request_status.__setitem__
+    mgr.record_failure = mgr.failures.__setitem__
+    return conn, mgr, KVPoll
+
+
+def test_manager_keeps_one_record_per_transfer_and_ends_it_once():
+    conn, mgr, poll = _manager()
+    room = 2**62 + 7  # SGLang's bootstrap_room: an int at the edge, a str transfer id inside
+    transfer_id = str(room)
+    mgr.await_registration(transfer_id)
+    mgr.request_status[room] = poll.Bootstrapping
+    mgr.drive()
+    assert mgr.transfers[transfer_id].phase is conn.Phase.AWAITING_REGISTRATION
+    mgr.sender.registrations[transfer_id] = SimpleNamespace(token_offset=4)
+    mgr.drive()
+    assert mgr.request_status[room] == poll.WaitingForInput
+    assert mgr.req_to_decode_prefix_len[room] == 4 and mgr.transfers == {}
+    mgr.start_request(transfer_id, num_pages=2, aux_index=0)
+    assert ("add", transfer_id, 12) in mgr.sender.calls, "one page below the prefix"
+    mgr.add_transfer_request(room, [8, 9], slice(0, 2), is_last_chunk=True)
+    assert ("step", [(transfer_id, [0, 8, 9])]) in mgr.sender.calls
+    assert ("finish", transfer_id) in mgr.sender.calls
+    assert mgr.request_status[room] == poll.Transferring
+    mgr.sender.settled[transfer_id] = SimpleNamespace(state=conn.TransferState.COMPLETED)
+    mgr.drive()
+    assert mgr.request_status[room] == poll.Success and mgr.transfers == {}
+
+
+def test_manager_fails_through_one_path_and_forgets_the_transfer():
+    conn, mgr, poll = _manager()
+    room, transfer_id = 11, "11"
+    mgr.start_request(transfer_id, num_pages=1, aux_index=None)
+    mgr.add_transfer_request(room, [3], slice(1, 2), is_last_chunk=False)  # a gap
+    assert mgr.request_status[room] == poll.Failed
+    assert "chunk starts at page 1" in mgr.failures[room]
+    assert ("cancel", transfer_id) in mgr.sender.calls
+    failed = SimpleNamespace(state=conn.TransferState.FAILED, reason="D lost")
+    mgr.sender.settled[transfer_id] = failed
+    mgr.drive()
+    assert "D lost" in mgr.failures[room] and mgr.transfers == {}
+    # A sender SGLang concluded itself (bootstrap timeout) leaves no record behind.
+    mgr.await_registration("12")
+    mgr.request_status[12] = poll.Failed
+    mgr.drive()
+    assert mgr.transfers == {}

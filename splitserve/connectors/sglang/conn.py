@@ -22,11 +22,23 @@ these classes through ``--disaggregation-transfer-backend splitserve`` (register
   carries the aux rows and DONE. ``Success`` / ``Failed`` once the transfer is settled and none
   of its WRITEs is in flight.
 
+Ids: SGLang's ``bootstrap_room`` (an int) becomes our ``transfer_id`` with ``str()`` once, where
+SGLang calls us (the API edge: ``check_status``, ``add_transfer_request``, the forward hook and
+the sender/receiver objects' ``transfer_id``); ``_room`` turns it back only to call SGLang's own
+bookkeeping (``update_status``, ``record_failure``, ``request_status``,
+``req_to_decode_prefix_len``). P's state is one ``_Transfer`` record per transfer id with a
+``Phase``; a failure goes through ``_fail``.
+
+Stats: SGLang has no metrics hook for a backend, so P logs its sender's totals with every
+completed transfer ("splitserve: transfer ... sent (totals: ...)"), the overlap proof
+``layers_posted_in_forward`` / ``layers_posted_at_step_end`` among them.
+
 Invariants:
 - Only full-attention KV pools (no state buffers: Mamba, SWA, ...), attention TP, CP and PP of 1
   on both sides; anything else stops start-up with a message.
-- A room reaches ``Success`` or ``Failed`` only through ``KVSender`` / ``KVReceiver`` outcomes,
-  SGLang's own timeouts or an abort; no path leaves a room without one (each side has a deadline).
+- A transfer reaches ``Success`` or ``Failed`` only through ``KVSender`` / ``KVReceiver``
+  outcomes, SGLang's own timeouts or an abort; no path leaves one without (each side has a
+  deadline).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -50,11 +63,10 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from splitserve.connectors.sglang import layerwise
 from splitserve.connectors.sglang.transport import (
     BackendSettings,
-    agent_name,
-    layout_from_buffers,
+    check_supported,
     layout_layers_of_model_layers,
+    open_transport,
 )
-from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender, StepUpdate
@@ -64,13 +76,30 @@ from splitserve.transfer.state import TransferState
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Room:
-    """P's view of one request: its pages in logical order from ``first_page``."""
+def _room(transfer_id: str) -> int:
+    """SGLang's key for a transfer (its ``bootstrap_room``): the inverse of the edge's ``str()``."""
+    return int(transfer_id)
 
-    first_page: int
-    num_tokens: int  # page-aligned: (first_page + pages to send) * page_size
+
+class Phase(Enum):
+    """Where P's transfer stands (one ``_Transfer`` record per transfer id)."""
+
+    AWAITING_REGISTRATION = "awaiting_registration"  # bootstrapped; D's REGISTER not seen yet
+    SENDING = "sending"  # ``init`` done: chunks join the page table as ``send`` brings them
+
+
+@dataclass
+class _Transfer:
+    """P's view of one transfer: its pages in logical order from ``first_page``."""
+
+    phase: Phase
+    first_page: int = 0
+    num_tokens: int = 0  # page-aligned: (first_page + pages to send) * page_size
     pages: list[int] = field(default_factory=list)
+
+    def page_table(self) -> list[int]:
+        """P's pages by logical page index (pages below ``first_page`` are never read)."""
+        return [0] * self.first_page + self.pages
 
 
 class SplitserveKVManager(CommonKVManager):
@@ -83,13 +112,12 @@ class SplitserveKVManager(CommonKVManager):
         self.channel: SideChannel | None = None
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
-        self.rooms: dict[int, _Room] = {}
-        self.awaiting_registration: set[int] = set()
+        self.transfers: dict[str, _Transfer] = {}  # P, by transfer id
         self.handoffs_s: list[float] = []
         self.layer_map: dict[int, list[int]] = {}
         self.forward_open = False
         self.layers_hooked = 0  # layer stores seen by the layer-wise hook (P)
-        _check_supported(args, server_args)
+        check_supported(args, server_args)
         # For P, CommonKVManager.__init__ registers with the bootstrap server: our override of
         # register_to_bootstrap opens the transport first, so the port it names is ours.
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -108,43 +136,10 @@ class SplitserveKVManager(CommonKVManager):
     def _open_transport(self) -> None:
         if self.agent is not None:
             return
-        args = self.kv_args
         prefill = self.disaggregation_mode == DisaggregationMode.PREFILL
-        layout = layout_from_buffers(
-            kv_ptrs=args.kv_data_ptrs,
-            kv_lens=args.kv_data_lens,
-            kv_item_lens=args.kv_item_lens,
-            aux_ptrs=args.aux_data_ptrs,
-            aux_lens=args.aux_data_lens,
-            aux_item_lens=args.aux_item_lens,
-            page_size=args.page_size,
-            memory="DRAM",
-        )
-        name = agent_name("prefill" if prefill else "decode")
-        self.agent = KVAgent(name, layout, backend_params=self.settings.ucx_params)
-        key = messages.key_bytes(self.settings.auth_key)
-        if prefill:
-            self.channel = SideChannel(self.local_ip, 0, key, name="splitserve-sglang-sc")
-            self.sender = KVSender(self.agent, self.channel, lease_s=self.settings.lease_s)
-        else:
-            self.channel = SideChannel(None, None, key, name="splitserve-sglang-sc")
-            self.receiver = KVReceiver(
-                self.agent,
-                self.channel,
-                done_timeout_s=self.settings.done_timeout_s,
-                abort_ack_timeout_s=self.settings.abort_ack_timeout_s,
-            )
-        logger.info(
-            "splitserve SGLang backend (%s): %d KV buffers, %d aux buffers, %d pages of %d "
-            "tokens, %s memory%s",
-            "prefill" if prefill else "decode",
-            layout.num_kv_layers,
-            layout.aux_layers,
-            layout.num_blocks,
-            layout.block_size,
-            layout.memory,
-            f", side channel {self.local_ip}:{self.channel.bound_port}" if prefill else "",
-        )
+        opened = open_transport(self.kv_args, self.settings, prefill=prefill, host=self.local_ip)
+        self.agent, self.channel = opened.agent, opened.channel
+        self.sender, self.receiver = opened.sender, opened.receiver
 
     def register_to_bootstrap(self):
         self._open_transport()
@@ -156,8 +151,17 @@ class SplitserveKVManager(CommonKVManager):
         self.drive()
         return self.request_status.get(bootstrap_room, KVPoll.Failed)
 
+    def _fail(self, transfer_id: str, reason: str) -> None:
+        """Conclude a transfer as failed, in SGLang's bookkeeping, saying why."""
+        room = _room(transfer_id)
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def _set_status(self, transfer_id: str, status: KVPoll) -> None:
+        self.update_status(_room(transfer_id), status)
+
     def drive(self) -> None:
-        """Read control messages and completions; conclude the rooms they settle."""
+        """Read control messages and completions; conclude the transfers they settle."""
         with self.lock:
             if self.sender is not None:
                 self._drive_sender()
@@ -166,76 +170,87 @@ class SplitserveKVManager(CommonKVManager):
 
     def _drive_sender(self) -> None:
         assert self.sender is not None
-        for tid, record in self.sender.poll_settled().items():
-            room = int(tid)
-            self.rooms.pop(room, None)
+        for transfer_id, record in self.sender.poll_settled().items():
+            self.transfers.pop(transfer_id, None)
             if record.state is TransferState.COMPLETED:
                 stats = self.sender.stats
                 logger.info(
-                    "splitserve: room %s sent (totals: %d transfers, %d WRITEs, %d bytes, "
-                    "%d layer stores hooked)",
-                    room,
+                    "splitserve: transfer %s sent (totals: %d transfers, %d WRITEs, %d bytes, "
+                    "%d layer stores hooked, layers_posted_in_forward=%d "
+                    "layers_posted_at_step_end=%d)",
+                    transfer_id,
                     stats.transfers_completed,
                     stats.writes_posted,
                     stats.bytes_sent,
                     self.layers_hooked,
+                    stats.layers_posted_in_forward,
+                    stats.layers_posted_at_step_end,
                 )
-                self.update_status(room, KVPoll.Success)
+                self._set_status(transfer_id, KVPoll.Success)
             else:
-                reason = f"splitserve transfer {record.state.value}: {record.reason}"
-                self.record_failure(room, reason)
-                self.update_status(room, KVPoll.Failed)
-        for room in list(self.awaiting_registration):
+                self._fail(
+                    transfer_id, f"splitserve transfer {record.state.value}: {record.reason}"
+                )
+        # Between D's registration and ``init`` nothing is kept here (SGLang clears only
+        # senders that succeeded, so a record there could outlive a failed request).
+        awaiting = [
+            transfer_id
+            for transfer_id, transfer in self.transfers.items()
+            if transfer.phase is Phase.AWAITING_REGISTRATION
+        ]
+        for transfer_id in awaiting:
+            room = _room(transfer_id)
             if self.request_status.get(room) != KVPoll.Bootstrapping:
-                self.awaiting_registration.discard(room)
+                del self.transfers[transfer_id]  # concluded by SGLang: nothing to wait for
                 continue
-            reg = self.sender.registration_of(str(room))
-            if reg is None and self.sender.cancelled(str(room)):
-                self.awaiting_registration.discard(room)
-                self.record_failure(room, "splitserve: aborted by the decode side")
-                self.update_status(room, KVPoll.Failed)
+            reg = self.sender.registration_of(transfer_id)
+            if reg is None and self.sender.cancelled(transfer_id):
+                del self.transfers[transfer_id]
+                self._fail(transfer_id, "splitserve: aborted by the decode side")
             elif reg is not None:
-                self.awaiting_registration.discard(room)
+                del self.transfers[transfer_id]
                 self.req_to_decode_prefix_len[room] = reg.token_offset
                 self.update_status(room, KVPoll.WaitingForInput)
 
     def _drive_receiver(self) -> None:
         assert self.receiver is not None
-        for tid, outcome in self.receiver.poll().items():
-            room = int(tid)
-            if outcome.ok:
-                if outcome.exposed_handoff_s is not None:
-                    self.handoffs_s.append(outcome.exposed_handoff_s)
-                    logger.info(
-                        "splitserve: room %s received, exposed handoff %.4f s",
-                        room,
-                        outcome.exposed_handoff_s,
-                    )
-                self.update_status(room, KVPoll.Success)
-            else:
-                self.record_failure(room, f"splitserve: {outcome.reason}")
-                self.update_status(room, KVPoll.Failed)
+        for transfer_id, outcome in self.receiver.poll().items():
+            if not outcome.ok:
+                self._fail(transfer_id, f"splitserve: {outcome.reason}")
+                continue
+            if outcome.exposed_handoff_s is not None:
+                self.handoffs_s.append(outcome.exposed_handoff_s)
+                logger.info(
+                    "splitserve: transfer %s received, exposed handoff %.4f s",
+                    transfer_id,
+                    outcome.exposed_handoff_s,
+                )
+            self._set_status(transfer_id, KVPoll.Success)
 
     # -- prefill side ---------------------------------------------------------------------------
 
-    def start_request(self, room: int, num_pages: int, aux_index: int | None) -> None:
+    def await_registration(self, transfer_id: str) -> None:
+        """A sender was made for this transfer: watch for D's registration."""
+        with self.lock:
+            self.transfers[transfer_id] = _Transfer(Phase.AWAITING_REGISTRATION)
+
+    def start_request(self, transfer_id: str, num_pages: int, aux_index: int | None) -> None:
         """``init``: the request's pages to send are known; its registration has arrived."""
         assert self.sender is not None
         page = self.kv_args.page_size
-        prefix = self.req_to_decode_prefix_len.get(room)
+        prefix = self.req_to_decode_prefix_len.get(_room(transfer_id))
         if prefix is None:
-            reg = self.sender.registration_of(str(room))
+            reg = self.sender.registration_of(transfer_id)
             prefix = reg.token_offset if reg is not None else 0
         first_page = prefix // page
         num_tokens = (first_page + num_pages) * page
         with self.lock:
-            self.rooms[room] = _Room(first_page, num_tokens)
+            self.transfers[transfer_id] = _Transfer(Phase.SENDING, first_page, num_tokens)
             try:
-                self.sender.add_request(str(room), num_tokens, aux_row=aux_index)
+                self.sender.add_request(transfer_id, num_tokens, aux_row=aux_index)
             except ValueError as exc:
-                self.rooms.pop(room, None)
-                self.record_failure(room, f"splitserve: {exc}")
-                self.update_status(room, KVPoll.Failed)
+                del self.transfers[transfer_id]
+                self._fail(transfer_id, f"splitserve: {exc}")
 
     def add_transfer_request(
         self,
@@ -251,38 +266,30 @@ class SplitserveKVManager(CommonKVManager):
         """``send`` of one chunk: its pages join the page table; every layer not yet posted for
         them is written; the last chunk lets the final WRITE (aux rows + DONE) go."""
         assert self.sender is not None
-        room = self.rooms.get(bootstrap_room)
-        if room is None:
+        transfer_id = str(bootstrap_room)
+        transfer = self.transfers.get(transfer_id)
+        if transfer is None or transfer.phase is not Phase.SENDING:
             return None
         pages = np.asarray(kv_indices).astype(np.int64).tolist()
         start = index_slice.start
-        if start != len(room.pages):
+        if start != len(transfer.pages):
             # SGLang sends consecutive slices; anything else is a bug we must not paper over.
-            self.record_failure(
-                bootstrap_room, f"chunk starts at page {start}, {len(room.pages)} sent"
-            )
-            self.update_status(bootstrap_room, KVPoll.Failed)
-            self.sender.cancel(str(bootstrap_room), "non-consecutive chunk")
+            self._fail(transfer_id, f"chunk starts at page {start}, {len(transfer.pages)} sent")
+            self.sender.cancel(transfer_id, "non-consecutive chunk")
             return None
-        room.pages.extend(pages)
+        transfer.pages.extend(pages)
         computed = (
-            room.num_tokens
+            transfer.num_tokens
             if is_last_chunk
-            else (room.first_page + len(room.pages)) * self.kv_args.page_size
+            else (transfer.first_page + len(transfer.pages)) * self.kv_args.page_size
         )
-        tid = str(bootstrap_room)
         with self.lock:
-            self.sender.begin_step([StepUpdate(tid, self.page_table(room), computed)])
+            self.sender.begin_step([StepUpdate(transfer_id, transfer.page_table(), computed)])
             self.sender.end_step()
             if is_last_chunk:
-                self.sender.finish_request(tid)
-        self.update_status(bootstrap_room, KVPoll.Transferring)
+                self.sender.finish_request(transfer_id)
+        self._set_status(transfer_id, KVPoll.Transferring)
         return None
-
-    @staticmethod
-    def page_table(room: _Room) -> list[int]:
-        """P's pages by logical page index (pages below ``first_page`` are never read)."""
-        return [0] * room.first_page + room.pages
 
     # -- prefill side, layer-wise (splitserve.connectors.sglang.layerwise) ---------------------
 
@@ -293,9 +300,12 @@ class SplitserveKVManager(CommonKVManager):
         page = self.kv_args.page_size
         updates = []
         for req in batch.reqs:
-            room_id = getattr(req, "bootstrap_room", None)
-            room = self.rooms.get(room_id)
+            room = getattr(req, "bootstrap_room", None)
             if room is None or req.extend_end is None:
+                continue
+            transfer_id = str(room)
+            transfer = self.transfers.get(transfer_id)
+            if transfer is None or transfer.phase is not Phase.SENDING:
                 continue
             prompt = len(req.origin_input_ids)
             end = min(req.extend_end, prompt)
@@ -306,8 +316,8 @@ class SplitserveKVManager(CommonKVManager):
             if translate is not None:
                 tokens = translate(tokens)
             pages = (tokens[::page] // page).cpu().numpy().astype(np.int64).tolist()
-            computed = room.num_tokens if end >= prompt else end
-            updates.append(StepUpdate(str(room_id), pages, computed))
+            computed = transfer.num_tokens if end >= prompt else end
+            updates.append(StepUpdate(transfer_id, pages, computed))
         if not updates:
             return False
         with self.lock:
@@ -329,38 +339,53 @@ class SplitserveKVManager(CommonKVManager):
         with self.lock:
             self.sender.end_step()
 
-    def cancel(self, room: int, reason: str) -> None:
+    def cancel(self, transfer_id: str, reason: str) -> None:
+        """P: SGLang aborted or cleared the request; D is told, the record is gone."""
         if self.sender is None:
             return
         with self.lock:
-            self.awaiting_registration.discard(room)
-            self.sender.cancel(str(room), reason)
+            self.transfers.pop(transfer_id, None)
+            self.sender.cancel(transfer_id, reason)
 
     # -- decode side ----------------------------------------------------------------------------
 
     def expect(
-        self, room: int, host: str, port: int, pages, prefix_len: int, aux_index: int | None
+        self,
+        transfer_id: str,
+        side_channel_host: str,
+        side_channel_port: int,
+        pages,
+        prefix_len: int,
+        aux_index: int | None,
     ) -> bool:
         assert self.receiver is not None
         block_ids = np.asarray(pages).astype(np.int64).tolist()
         with self.lock:
             try:
                 self.receiver.expect(
-                    str(room), host, int(port), block_ids, int(prefix_len), aux_row=aux_index
+                    transfer_id,
+                    side_channel_host,
+                    int(side_channel_port),
+                    block_ids,
+                    int(prefix_len),
+                    aux_row=aux_index,
                 )
             except ValueError as exc:
-                self.record_failure(room, f"splitserve: {exc}")
-                self.update_status(room, KVPoll.Failed)
+                self._fail(transfer_id, f"splitserve: {exc}")
                 return False
         return True
 
     def abort_transfer(
-        self, room: int, reason: str, host: str | None = None, port: int | None = None
+        self,
+        transfer_id: str,
+        reason: str,
+        side_channel_host: str | None = None,
+        side_channel_port: int | None = None,
     ) -> None:
         if self.receiver is None:
             return
         with self.lock:
-            self.receiver.abort(str(room), reason, host, port)
+            self.receiver.abort(transfer_id, reason, side_channel_host, side_channel_port)
 
     def close(self) -> None:
         if layerwise.ACTIVE is self:
@@ -371,50 +396,40 @@ class SplitserveKVManager(CommonKVManager):
             self.agent.close()
 
 
-def _check_supported(args, server_args) -> None:
-    problems = []
-    if getattr(args, "state_types", None):
-        problems.append(f"state buffers {[str(t) for t in args.state_types]}")
-    for name in ("tp_size", "pp_size", "dp_size"):
-        value = getattr(server_args, name, 1) or 1
-        if value != 1:
-            problems.append(f"{name}={value}")
-    device = getattr(server_args, "device", "cpu")
-    if device != "cpu":
-        problems.append(f"device {device!r} (the aux buffers live in host memory; mixed memory")
-        problems[-1] += " kinds in one agent are not built yet)"
-    if problems:
-        raise NotImplementedError(
-            "the splitserve SGLang transfer backend supports full-attention KV pools with "
-            "TP=PP=DP=1 on host memory; this server has " + ", ".join(problems)
-        )
+class _TransferIdOfRoom:
+    """SGLang's per-request objects know their ``bootstrap_room``; ours is its ``str()``."""
+
+    bootstrap_room: int
+
+    @property
+    def transfer_id(self) -> str:
+        return str(self.bootstrap_room)
 
 
-class SplitserveKVSender(CommonKVSender):
+class SplitserveKVSender(_TransferIdOfRoom, CommonKVSender):
     """P: one per request (see module docstring)."""
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         if self.conclude_state is None:
-            mgr.awaiting_registration.add(bootstrap_room)
+            mgr.await_registration(self.transfer_id)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None):
         super().init(num_kv_indices, aux_index)
-        self.kv_mgr.start_request(self.bootstrap_room, num_kv_indices, aux_index)
+        self.kv_mgr.start_request(self.transfer_id, num_kv_indices, aux_index)
 
     def abort(self):
         super().abort()
-        self.kv_mgr.cancel(self.bootstrap_room, "aborted on the prefill side")
+        self.kv_mgr.cancel(self.transfer_id, "aborted on the prefill side")
 
     def clear(self) -> None:
         # A transfer we settled is gone from the sender already (this only leaves a tombstone);
         # one SGLang concluded itself (bootstrap timeout, abort) stops here and D is told.
-        self.kv_mgr.cancel(self.bootstrap_room, "cleared on the prefill side")
-        self.kv_mgr.rooms.pop(self.bootstrap_room, None)
+        self.kv_mgr.cancel(self.transfer_id, "cleared on the prefill side")
         super().clear()
 
 
-class SplitserveKVReceiver(CommonKVReceiver):
+class SplitserveKVReceiver(_TransferIdOfRoom, CommonKVReceiver):
     """D: one per request (see module docstring)."""
 
     def _register_kv_args(self) -> bool:
@@ -430,27 +445,24 @@ class SplitserveKVReceiver(CommonKVReceiver):
         destination=None,
         device_kv_indices=None,
     ):
+        mgr, transfer_id = self.kv_mgr, self.transfer_id
         if self.bootstrap_infos is None:
-            self.kv_mgr.record_failure(
-                self.bootstrap_room,
+            mgr._fail(
+                transfer_id,
                 f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}",
             )
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
         if state_indices and any(s is not None for s in state_indices):
-            self.kv_mgr.record_failure(self.bootstrap_room, "splitserve: state buffers unsupported")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            mgr._fail(transfer_id, "splitserve: state buffers unsupported")
             return
         targets = [info for info in self.bootstrap_infos if not info.get("is_dummy")]
         if len(targets) != 1:
-            self.kv_mgr.record_failure(
-                self.bootstrap_room, f"splitserve: {len(targets)} prefill ranks, supports one"
-            )
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            mgr._fail(transfer_id, f"splitserve: {len(targets)} prefill ranks, supports one")
             return
         info = targets[0]
-        if self.kv_mgr.expect(
-            self.bootstrap_room,
+        # SGLang's rank_ip / rank_port name P's side channel (its port is ours).
+        if mgr.expect(
+            transfer_id,
             info["rank_ip"],
             info["rank_port"],
             kv_indices,
@@ -462,7 +474,7 @@ class SplitserveKVReceiver(CommonKVReceiver):
     def _send_abort_notification(self, *, force_arm: bool = False):
         targets = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
         host, port = (targets[0]["rank_ip"], targets[0]["rank_port"]) if targets else (None, None)
-        self.kv_mgr.abort_transfer(self.bootstrap_room, "aborted on the decode side", host, port)
+        self.kv_mgr.abort_transfer(self.transfer_id, "aborted on the decode side", host, port)
 
 
 class SplitserveKVBootstrapServer(CommonKVBootstrapServer):

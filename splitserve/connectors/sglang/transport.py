@@ -4,7 +4,8 @@ Runs in SGLang's scheduler process (one per prefill or decode server), called by
 ``splitserve.connectors.sglang.conn``. Imports no SGLang: it turns what SGLang's ``KVArgs`` lists
 (pointer, byte length and per-page byte length of every KV buffer and every aux buffer) into a
 ``splitserve.transfer.KVLayout`` and builds the same ``KVAgent`` / ``SideChannel`` /
-``KVSender`` / ``KVReceiver`` the vLLM connector uses (no second transport).
+``KVSender`` / ``KVReceiver`` the vLLM connector uses (no second transport, ``open_transport``),
+after ``check_supported`` refused a server it cannot serve.
 
 Layout: one layout layer per SGLang KV buffer (``MHATokenToKVPool`` keeps ``k_buffer[l]`` and
 ``v_buffer[l]`` apart, listed k0..k(L-1) then v0..v(L-1)), one block per page; then one aux layer
@@ -27,13 +28,23 @@ Settings come from the server's environment (SGLang has no per-backend config):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from splitserve.transfer import messages
+from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layout import KVLayout, LayerLayout, MemoryKind
+from splitserve.transfer.receiver import KVReceiver
+from splitserve.transfer.sender import KVSender
+from splitserve.transfer.side_channel import SideChannel
+
+logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "SPLITSERVE_SGLANG_"
 
@@ -138,5 +149,85 @@ def layout_layers_of_model_layers(
     return out
 
 
+def check_supported(args, server_args) -> None:
+    """Stop start-up, saying why, on a server this backend cannot serve (``KVArgs`` and
+    ``ServerArgs`` read by name)."""
+    problems = []
+    if getattr(args, "state_types", None):
+        problems.append(f"state buffers {[str(t) for t in args.state_types]}")
+    for name in ("tp_size", "pp_size", "dp_size"):
+        value = getattr(server_args, name, 1) or 1
+        if value != 1:
+            problems.append(f"{name}={value}")
+    device = getattr(server_args, "device", "cpu")
+    if device != "cpu":
+        problems.append(f"device {device!r} (the aux buffers live in host memory; mixed memory")
+        problems[-1] += " kinds in one agent are not built yet)"
+    if problems:
+        raise NotImplementedError(
+            "the splitserve SGLang transfer backend supports full-attention KV pools with "
+            "TP=PP=DP=1 on host memory; this server has " + ", ".join(problems)
+        )
+
+
 def agent_name(role: str) -> str:
     return f"splitserve-sglang-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Transport:
+    """One server's transport: P has a ``sender``, D a ``receiver``."""
+
+    agent: KVAgent
+    channel: SideChannel
+    sender: KVSender | None = None
+    receiver: KVReceiver | None = None
+
+
+def open_transport(
+    kv_args: Any, settings: BackendSettings, *, prefill: bool, host: str
+) -> Transport:
+    """The agent over SGLang's buffers (``KVArgs``), the side channel (P binds it on ``host``,
+    on a free port the bootstrap server then names) and the sender (P) or receiver (D)."""
+    layout = layout_from_buffers(
+        kv_ptrs=kv_args.kv_data_ptrs,
+        kv_lens=kv_args.kv_data_lens,
+        kv_item_lens=kv_args.kv_item_lens,
+        aux_ptrs=kv_args.aux_data_ptrs,
+        aux_lens=kv_args.aux_data_lens,
+        aux_item_lens=kv_args.aux_item_lens,
+        page_size=kv_args.page_size,
+        memory="DRAM",
+    )
+    agent = KVAgent(
+        agent_name("prefill" if prefill else "decode"),
+        layout,
+        backend_params=settings.ucx_params,
+    )
+    key = messages.key_bytes(settings.auth_key)
+    if prefill:
+        channel = SideChannel(host, 0, key, name="splitserve-sglang-sc")
+        opened = Transport(
+            agent, channel, sender=KVSender(agent, channel, lease_s=settings.lease_s)
+        )
+    else:
+        channel = SideChannel(None, None, key, name="splitserve-sglang-sc")
+        receiver = KVReceiver(
+            agent,
+            channel,
+            done_timeout_s=settings.done_timeout_s,
+            abort_ack_timeout_s=settings.abort_ack_timeout_s,
+        )
+        opened = Transport(agent, channel, receiver=receiver)
+    logger.info(
+        "splitserve SGLang backend (%s): %d KV buffers, %d aux buffers, %d pages of %d "
+        "tokens, %s memory%s",
+        "prefill" if prefill else "decode",
+        layout.num_kv_layers,
+        layout.aux_layers,
+        layout.num_blocks,
+        layout.block_size,
+        layout.memory,
+        f", side channel {host}:{channel.bound_port}" if prefill else "",
+    )
+    return opened
