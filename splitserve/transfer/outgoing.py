@@ -89,8 +89,9 @@ class Outgoing:
 
     @property
     def dst_blocks(self) -> list[int]:
+        """D's block ids for logical blocks ``[first, end)`` (read-only: D's message)."""
         reg = self.registration
-        return list(reg.block_ids[0]) if reg is not None and reg.block_ids else []
+        return reg.block_ids[0] if reg is not None and reg.block_ids else []
 
     @property
     def dst_aux_row(self) -> int | None:

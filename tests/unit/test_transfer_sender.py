@@ -530,3 +530,17 @@ def test_pull_early_pulled_is_ignored_before_all_is_announced():
     channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="half")))
     sender.poll()
     assert sender.state_of("half") is TransferState.STREAMING
+
+
+def test_a_pushing_sender_ignores_pulled():
+    """PULLED means something only to a pulling P: a pushing one completes on its DONE WRITE,
+    never on a peer's word."""
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 20)
+    register_for_first_token(channel, "t", [7, 8])
+    run_prefill(sender, "t", [1, 2], [20])
+    complete_all(agent)
+    channel.inbox.append(Inbound(PEER, messages.Pulled(transfer_id="t")))
+    sender.poll()
+    assert sender.state_of("t") is TransferState.FLUSHING
+    assert sender.stats.transfers_completed == 0
