@@ -22,8 +22,9 @@ A PD request goes the way SGLang's router sends it: to P and D at the same time 
   D receives in the aux buffers with the KV);
 - ``gap_s``: first -> second streamed token (D's first decode step);
 - ``exposed_s`` (``sglang-splitserve`` only): P's last forward returned -> DONE seen at D, from
-  D's log (``splitserve: room R received, exposed handoff X s``; server timestamps). SGLang's
-  own backends report no such figure: compare them by TTFT against ``sglang-colocated``.
+  D's log (``splitserve: transfer R received, exposed handoff X s``, R the request's
+  ``bootstrap_room``; server timestamps). SGLang's own backends report no such figure: compare
+  them by TTFT against ``sglang-colocated``.
 """
 
 from __future__ import annotations
@@ -149,11 +150,11 @@ def _colocated(url: str, body: dict) -> dict:
 
 
 def _pd(pair: dict, body: dict, log: Path | None) -> dict:
-    room = random.randrange(2**62)
+    bootstrap_room = random.randrange(2**62)
     body = body | {
         "bootstrap_host": "127.0.0.1",
         "bootstrap_port": pair["bootstrap"],
-        "bootstrap_room": room,
+        "bootstrap_room": bootstrap_room,
     }
     errors: list[BaseException] = []
 
@@ -172,7 +173,8 @@ def _pd(pair: dict, body: dict, log: Path | None) -> dict:
         raise errors[0]
     out = {"ttft_s": times[0] - start, "gap_s": times[1] - times[0]}
     if log is not None:
-        pattern = rf"room {room} received, exposed handoff ([0-9.e+-]+) s"
+        # The backend's transfer id is str(bootstrap_room) (splitserve.connectors.sglang.conn).
+        pattern = rf"transfer {bootstrap_room} received, exposed handoff ([0-9.e+-]+) s"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the log line may trail the stream by a flush
             found = re.findall(pattern, log.read_text(errors="replace"))
