@@ -51,9 +51,13 @@ def make_sender():
     return sender, agent, channel
 
 
-def register(channel, tid, dst, aux_row, offset=0):
+def register(channel, transfer_id, dst, aux_row, offset=0):
     reg = messages.Register(
-        transfer_id=tid, agent_name="D", block_ids=[dst], token_offset=offset, aux_row=aux_row
+        transfer_id=transfer_id,
+        agent_name="D",
+        block_ids=[dst],
+        token_offset=offset,
+        aux_row=aux_row,
     )
     channel.inbox.append(Inbound(PEER, reg))
 
