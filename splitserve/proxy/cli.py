@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from splitserve.proxy.config import ConfigError, ProxyConfig, build_config, load_config
+from splitserve.proxy.config import ConfigError, ProxyConfig, build_config, read_config_data
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,11 @@ def config_from_options(
     overrides: dict[str, Any],
 ) -> ProxyConfig:
     """Merge a YAML file (if any) with the flags; flags win."""
-    data: dict[str, Any] = {}
-    if config_file:
-        data = load_config(config_file).model_dump(exclude_unset=True)
-        for k in ("api_key", "upstream_api_key"):  # keep secrets as plain strings for re-validation
-            if k in data and data[k] is not None:
-                data[k] = data[k].get_secret_value()
+    # The file's raw settings, validated once with the flags merged in (a key from the flags
+    # or SPLITSERVE_PROXY_API_KEY may be what lets its host be non-loopback).
+    data: dict[str, Any] = dict(read_config_data(config_file)) if config_file else {}
+    if overrides.get("api_key") is not None:
+        data.pop("api_key_file", None)  # the flag's key replaces the file's
     if prefill:
         entries = _endpoints(prefill, side_channel_port, "side_channel_port")
         if bootstrap_port:
@@ -60,7 +59,9 @@ def config_from_options(
     for key in ("prefill", "decode"):
         if key not in data:
             raise ConfigError(f"{key}: give at least one --{key} URL (or a --config file)")
-    return build_config(data)
+    config = build_config(data)
+    config.client_key()  # an unreadable api_key_file stops start-up here, naming the file
+    return config
 
 
 @click.command("proxy")

@@ -4,11 +4,14 @@ deployment launcher that embeds this model.
 Pure pydantic; runs in whichever process loads the settings. Invariants: unknown keys are errors
 (naming the key), every URL is an absolute ``http(s)://host:port`` base without a path, both pools
 are non-empty, the vLLM concurrent flow knows every prefill server's connector side channel, and
-the SGLang engine knows every prefill server's bootstrap port.
+the SGLang engine knows every prefill server's bootstrap port, and a proxy that listens beyond
+loopback has a client key unless ``insecure`` says otherwise (docs/security.md).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -116,6 +119,32 @@ class HealthSettings(_Strict):
     )
 
 
+class ClientTimeouts(_Strict):
+    """How long a client may take over each phase of a request (docs/proxy.md, "Edge
+    limits"): a client too slow is cut off (408, or closed when idle) and nothing else waits."""
+
+    header_s: float = Field(
+        30.0, gt=0, le=3600, description="A request's first byte (a new connection: its accept) "
+        "to its full head.",
+    )  # fmt: skip
+    body_s: float = Field(
+        120.0, gt=0, le=3600, description="The end of a request's head to the end of its body."
+    )
+    idle_keepalive_s: float = Field(
+        75.0, gt=0, le=3600, description="An answered keep-alive connection's wait for the next "
+        "request's first byte.",
+    )  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost, or "" (every address)
+
+
 class ProxyConfig(_Strict):
     """Everything ``splitserve proxy`` needs."""
 
@@ -134,8 +163,27 @@ class ProxyConfig(_Strict):
     retries: RetrySettings = RetrySettings()
     health: HealthSettings = HealthSettings()
     api_key: SecretStr | None = Field(None, description="Clients must send 'Bearer <api_key>'.")
+    api_key_file: str | None = Field(
+        None, description="A file holding api_key (read at start-up; '~' expanded), so that no "
+        "key sits in the YAML.",
+    )  # fmt: skip
+    insecure: bool = Field(
+        False, description="Allow a non-loopback host without a key (a trusted lab only).",
+    )  # fmt: skip
     upstream_api_key: SecretStr | None = Field(None, description="Sent to the engine servers.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, le=1024 * 1024, description="A request's head, from its first byte."
+    )
+    client_timeouts: ClientTimeouts = ClientTimeouts()
+    max_connections: int = Field(
+        10_000, ge=1, description="Client connections per proxy process; past it a new one is "
+        "answered 503 with Retry-After and closed.",
+    )  # fmt: skip
+    max_in_flight: int = Field(
+        4096, ge=1, description="/v1 requests being served per proxy process; past it 503 with "
+        "Retry-After: 1.",
+    )  # fmt: skip
     workers: int = Field(
         1, ge=1, le=256, description="Proxy processes sharing the port (one event loop each)."
     )
@@ -179,6 +227,15 @@ class ProxyConfig(_Strict):
                 "first_token_from_prefill: only the vLLM concurrent flow (SplitserveConnector) "
                 f"supports it, not {self.engine} {self.flow}"
             )
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("api_key_file: give api_key or api_key_file, not both")
+        keyless = self.api_key is None and self.api_key_file is None
+        if keyless and not self.insecure and not _is_loopback(self.host):
+            raise ValueError(
+                f"host: {self.host or '(every address)'} opens the proxy to the network "
+                "without a key: set api_key_file (or SPLITSERVE_PROXY_API_KEY for `splitserve "
+                "proxy`), bind 127.0.0.1, or set insecure: true (a trusted lab only)"
+            )
         if self.workers > 1 and self.port == 0:
             raise ValueError("port: several workers need a fixed port (0 picks one per worker)")
         for pool in ("prefill", "decode"):
@@ -187,6 +244,23 @@ class ProxyConfig(_Strict):
             if dup:
                 raise ValueError(f"{pool}: duplicate server URL(s) {', '.join(dup)}")
         return self
+
+    def client_key(self) -> bytes | None:
+        """The key clients must send: ``api_key``, or ``api_key_file``'s content (surrounding
+        whitespace dropped); None without either. Raises ``ConfigError`` naming the file when
+        it cannot be read or is empty."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value().encode()
+        if self.api_key_file is None:
+            return None
+        path = Path(os.path.expanduser(self.api_key_file))
+        try:
+            key = path.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"api_key_file: cannot read {path}: {e.strerror or e}") from None
+        if not key:
+            raise ConfigError(f"api_key_file: {path} is empty")
+        return key
 
 
 class ConfigError(ValueError):
@@ -213,6 +287,11 @@ def build_config(data: dict[str, Any]) -> ProxyConfig:
 
 def load_config(path: str | Path) -> ProxyConfig:
     """Read and validate a YAML file. A top-level ``proxy:`` key is accepted (a deployment)."""
+    return build_config(read_config_data(path))
+
+
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """A YAML file's settings, not validated yet (the CLI merges its flags in first)."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:
@@ -223,4 +302,4 @@ def load_config(path: str | Path) -> ProxyConfig:
         data = data["proxy"]
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
-    return build_config(data)
+    return data

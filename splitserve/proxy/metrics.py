@@ -49,6 +49,11 @@ class ProxyMetrics:
             "Requests served in the plain flow after P's first token, by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.edge_rejections = Counter(
+            "splitserve_proxy_edge_rejections",
+            "Clients refused or cut off at the edge, by reason (docs/proxy.md, Edge limits)",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.ejections = Counter(
             "splitserve_proxy_ejections", "Servers taken out of rotation", ["pool", "server"],
             registry=r,

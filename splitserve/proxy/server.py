@@ -8,7 +8,8 @@ this server on a thread for tests and benchmarks.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not), ``GET
 /v1/models`` (a healthy decode server's answer), ``/health`` (the proxy is alive), ``/ready``
-(at least one healthy server in each pool), ``/metrics`` (Prometheus).
+(at least one healthy server in each pool), ``/metrics`` (Prometheus). With an API key set,
+every route but ``/health`` needs it; ``/v1`` requests are bounded by ``max_in_flight``.
 
 Invariants: every answer the proxy makes itself is an OpenAI-style error body (never an HTML
 page); a client mistake is a 4xx, upstream trouble a 502/503/504; a 500 only ever means a bug
@@ -34,6 +35,7 @@ from splitserve.proxy.errors import NoHealthyServer, ProxyError, Unauthorized, e
 from splitserve.proxy.forward import Forwarder
 from splitserve.proxy.health import HealthChecker, HealthTracker
 from splitserve.proxy.http.client import UpstreamClient
+from splitserve.proxy.http.edge import RETRY_AFTER_S, EdgeLimits
 from splitserve.proxy.http.messages import Handler, Request, Response, StreamResponse
 from splitserve.proxy.http.server import HTTPServer
 from splitserve.proxy.http.session import new_control_session
@@ -65,9 +67,8 @@ class ProxyState:
         self.upstream: UpstreamClient | None = None  # every completion request
         self.checker: HealthChecker | None = None
         self.forwarder: Forwarder | None = None
-        self._api_key = (
-            config.api_key.get_secret_value().encode() if config.api_key is not None else None
-        )
+        self._api_key = config.client_key()
+        self.in_flight = 0  # /v1 requests being served (bounded by config.max_in_flight)
 
     async def start(self) -> None:
         # Completions go through the lean client of http/client.py; control-plane requests
@@ -118,14 +119,25 @@ class ProxyState:
 # ---------------------------------------------------------------------- error mapping
 
 
-def _guarded(state: ProxyState, handler: Handler, needs_key: bool) -> Handler:
-    """``handler`` with every failure mapped to an OpenAI-style JSON error and its status."""
+def _guarded(state: ProxyState, handler: Handler, needs_key: bool, limited: bool) -> Handler:
+    """``handler`` with every failure mapped to an OpenAI-style JSON error and its status;
+    ``needs_key``: only with the API key (when one is set); ``limited``: counted against
+    ``max_in_flight`` (past it: 503 with ``Retry-After``)."""
+    max_in_flight = state.config.max_in_flight
 
     async def guarded(request: Request) -> Response | StreamResponse:
         try:
             if needs_key and not state.authorized(request):
                 raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
-            return await handler(request)
+            if not limited:
+                return await handler(request)
+            if state.in_flight >= max_in_flight:
+                return _overloaded(state)
+            state.in_flight += 1
+            try:
+                return await handler(request)
+            finally:
+                state.in_flight -= 1
         except ProxyError as e:
             state.metrics.errors.labels(e.kind).inc()
             return _json_response(e.body(), e.status)
@@ -135,6 +147,29 @@ def _guarded(state: ProxyState, handler: Handler, needs_key: bool) -> Handler:
             return _json_response(error_body("internal proxy error", "internal_error", 500), 500)
 
     return guarded
+
+
+def _overloaded(state: ProxyState) -> Response:
+    state.metrics.of(state.metrics.edge_rejections, "max_in_flight").inc()
+    message = (
+        f"the proxy is serving its limit of {state.config.max_in_flight} requests; retry later"
+    )
+    response = _json_response(error_body(message, "service_unavailable", 503), 503)
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def edge_limits(config: ProxyConfig) -> EdgeLimits:
+    """The HTTP server's limits from the proxy's settings."""
+    t = config.client_timeouts
+    return EdgeLimits(
+        max_body_bytes=config.max_body_bytes,
+        max_header_bytes=config.max_header_bytes,
+        header_timeout_s=t.header_s,
+        body_timeout_s=t.body_s,
+        idle_timeout_s=t.idle_keepalive_s,
+        max_connections=config.max_connections,
+    )
 
 
 def _server_error(state: ProxyState) -> Callable[[int, str], Response]:
@@ -261,14 +296,18 @@ class ProxyServer:
             ("GET", "/ready"): _ready_handler(state),
             ("GET", "/metrics"): _metrics_handler(state),
         }
+        # With an API key, everything but /health needs it: /ready names the servers and their
+        # errors, /metrics the servers and the traffic (docs/security.md).
         self.http = HTTPServer(
             {
-                key: _guarded(state, handler, key[1].startswith("/v1/"))
+                key: _guarded(state, handler, key[1] != "/health", key[1].startswith("/v1/"))
                 for key, handler in routes.items()
             },
             _server_error(state),
             max_body_bytes=config.max_body_bytes,
+            limits=edge_limits(config),
             shutdown_timeout_s=5.0,
+            on_reject=lambda reason: state.metrics.of(state.metrics.edge_rejections, reason).inc(),
         )
         self.port: int | None = None
 

@@ -17,6 +17,7 @@ import httptools
 import pytest
 
 from splitserve.proxy.http.messages import Request, Response, StreamResponse
+from splitserve.proxy.http.edge import EdgeLimits
 from splitserve.proxy.http.server import HTTPServer
 
 
@@ -103,8 +104,13 @@ async def served() -> AsyncIterator[tuple[HTTPServer, Recorder, int]]:
         },
         error_response,
         max_body_bytes=4096,
-        max_header_bytes=8192,
-        keepalive_timeout_s=0.5,
+        limits=EdgeLimits(
+            max_body_bytes=4096,
+            max_header_bytes=8192,
+            header_timeout_s=0.5,
+            body_timeout_s=0.5,
+            idle_timeout_s=0.5,
+        ),
         shutdown_timeout_s=2.0,
     )
     port = await server.start("127.0.0.1", 0)
@@ -380,9 +386,11 @@ async def test_idle_connection_is_closed_after_the_keepalive_timeout(served) -> 
     reader, writer = await connect(port)
     writer.write(post("/echo", b"x"))
     await read_answers(reader, 1)
-    assert await closed_by_server(reader, timeout=5)  # keepalive_timeout_s=0.5
+    assert await closed_by_server(reader, timeout=5)  # idle_timeout_s=0.5
     reader, writer = await connect(port)
     writer.write(b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")  # never finished
+    (answer,) = await read_answers(reader, 1)  # the body's deadline (body_timeout_s=0.5)
+    assert answer.status == 408
     assert await closed_by_server(reader, timeout=5)
     await wait_for(lambda: not server.connections)
 

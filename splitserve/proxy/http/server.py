@@ -21,8 +21,13 @@ Invariants:
   handler's upstream requests close and the engines abort them.
 - Every answer the server makes itself (bad HTTP, too large, unknown route or method, a handler
   that crashed) is built by the caller's ``error_response``, so it has the caller's body shape.
-- Bounded: header bytes (``max_header_bytes``), body bytes (``max_body_bytes``), and time: a
-  connection idle, or sending one request, for longer than ``keepalive_timeout_s`` is closed.
+- Bounded (``edge.EdgeLimits``; docs/proxy.md, "Edge limits"): header bytes, counted from the
+  first byte of each request, pipelined ones included (431); body bytes (413); ambiguous body
+  framing (400, ``edge.framing_problem``); connections (past the cap: 503 and closed); and time,
+  per phase of each request: its head (408), its body (408), the idle wait between requests
+  (closed). A client that is too slow is cut off alone: nothing else waits on it.
+- Timers cost nothing per request: a phase stores a deadline; a connection's one timer handle
+  re-arms itself when it fires early, and is replaced only when a deadline moves before it.
 - A stream write waits while the connection's send buffer is above its high-water mark (a slow
   client gets backpressure, not the proxy's memory); a write to a client that went away raises
   ``ConnectionResetError``.
@@ -34,9 +39,11 @@ import asyncio
 import collections
 import contextlib
 import logging
+from collections.abc import Callable
 
 import httptools
 
+from splitserve.proxy.http.edge import EdgeLimits, Refused, TurnAway, framing_problem
 from splitserve.proxy.http.messages import (
     ErrorResponse,
     Handler,
@@ -50,15 +57,11 @@ logger = logging.getLogger(__name__)
 
 _MAX_PIPELINED = 8  # parsed requests waiting on one connection before reading pauses
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class _Refused(Exception):
-    """The request cannot be served; answer ``status`` and close the connection."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+# A connection's phase, which decides its deadline: waiting for the next request (idle), reading
+# a head, reading a body, or neither (a handler runs or requests wait: no client deadline).
+_IDLE, _HEAD, _BODY, _BUSY = range(4)
+_LINGER_S = 2.0  # a refused client's bytes are read and dropped this long before the close
+_REQUEST_LINE = 15  # bytes of "GET  HTTP/1.1\r\n" around the URL: the fewest a request line has
 
 
 class _Connection(asyncio.Protocol):
@@ -66,6 +69,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: HTTPServer) -> None:
         self.server = server
+        self.limits = server.limits
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -76,14 +80,23 @@ class _Connection(asyncio.Protocol):
         self.version = "1.1"
         self.task: asyncio.Task[None] | None = None  # the handler of the request being answered
         self.queue: collections.deque[Request] = collections.deque()
-        self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._upgraded = False
+        self._cut_off: Refused | None = None  # answered once the answers under way are sent
+        # Time: the phase, its deadline, the one timer handle (see the module's invariants).
+        self._phase = _HEAD  # a fresh connection owes its first head within header_timeout_s
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        # Bytes of the current read the parser consumed before the request being parsed began
+        # (its known bodies and heads: never more than the truth, so a head is never undercounted).
+        self._fed = 0
+        self._began_at = -1  # where in the current read that request began (-1: an earlier read)
         # The request being parsed.
-        self._in_head = False
-        self._head_bytes = 0
+        self._head_bytes = 0  # raw bytes of its head in reads that ended inside the head
+        self._head_parsed = 0  # bytes of its request line and headers, as parsed
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
+        self._lengths = 0  # Content-Length headers seen
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._continue = False  # it asked for ``100 Continue``
@@ -93,20 +106,24 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(self)
-        self._arm_timer()
+        self._set_deadline(_HEAD, self.limits.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
+        if self.closing or self._cut_off is not None:
             return
-        was_in_head = self._in_head
+        self._fed = 0
+        self._began_at = -1
         try:
             self.parser.feed_data(data)
-            if was_in_head and self._in_head:  # a head still incomplete after this read
-                self._head_bytes += len(data)
-                if self._head_bytes > self.server.max_header_bytes:
-                    raise _Refused(431, "request headers too large")
-        except _Refused as e:
-            self._refuse(e.status, e.message)
+            if self._phase == _HEAD:  # a head still incomplete after this read: count its bytes
+                if self._began_at < 0:
+                    self._head_bytes += len(data)
+                else:
+                    self._head_bytes = len(data) - self._began_at
+                if self._head_bytes > self.limits.max_header_bytes:
+                    raise Refused(431, "request headers too large", "header_too_large")
+        except Refused as e:
+            self._refuse(e)
         except httptools.HttpParserUpgrade:
             # Served as plain HTTP (an upgrade we do not speak), then the connection closes:
             # what follows on it is another protocol.
@@ -115,15 +132,17 @@ class _Connection(asyncio.Protocol):
             if not self.queue and self.task is None:
                 self._close()
         except httptools.HttpParserError as e:
-            if isinstance(e.__context__, _Refused):  # raised by one of our callbacks
-                self._refuse(e.__context__.status, e.__context__.message)
+            if isinstance(e.__context__, Refused):  # raised by one of our callbacks
+                self._refuse(e.__context__)
             else:
-                self._refuse(400, f"invalid HTTP request: {e}")
+                self._refuse(Refused(400, f"invalid HTTP request: {e}", "invalid_http"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.server.connections.discard(self)
-        self._cancel_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.queue.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: its handler (and upstream requests) end
@@ -139,44 +158,62 @@ class _Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._in_head = True
+        self._set_deadline(_HEAD, self.limits.header_timeout_s)
+        self._began_at = self._fed
         self._head_bytes = 0
+        self._head_parsed = _REQUEST_LINE
         self._url = b""
         self._headers = {}
+        self._lengths = 0
         self._body = []
         self._body_bytes = 0
         self._continue = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_parsed += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_parsed += len(name) + len(value) + 3  # "name:value\r\n" at the least
+        if self._head_parsed > self.limits.max_header_bytes:
+            raise Refused(431, "request headers too large", "header_too_large")
         name = name.lower()
         old = self._headers.get(name)
         self._headers[name] = value if old is None else old + b", " + value
-        if name == b"expect" and value.lower() == b"100-continue":
+        if name == b"content-length":
+            self._lengths += 1
+        elif name == b"expect" and value.lower() == b"100-continue":
             self._continue = True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
-        length = self._headers.get(b"content-length")
-        limit = self.server.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise _Refused(
-                413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes"
-            )
+        if self._began_at >= 0:  # the whole head came in this read
+            self._fed = self._began_at + self._head_parsed + 2
+        self._set_deadline(_BODY, self.limits.body_timeout_s)
+        headers = self._headers
+        if b"content-length" in headers or b"transfer-encoding" in headers or self._lengths:
+            problem = framing_problem(headers, self._lengths, self.parser.get_http_version())
+            if problem is not None:
+                raise Refused(400, f"ambiguous request body framing: {problem}", "bad_framing")
+            length = headers.get(b"content-length")
+            limit = self.limits.max_body_bytes
+            if length is not None and int(length) > limit:
+                raise Refused(
+                    413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes"
+                )
         if self._continue and self.task is None and not self.queue:
             self.write(_CONTINUE)
             self._continue = False
 
     def on_body(self, body: bytes) -> None:
+        self._fed += len(body)
         self._body_bytes += len(body)
-        if self._body_bytes > self.server.max_body_bytes:
-            limit = self.server.max_body_bytes
-            raise _Refused(413, f"request body exceeds the limit of {limit} bytes")
+        if self._body_bytes > self.limits.max_body_bytes:
+            limit = self.limits.max_body_bytes
+            raise Refused(413, f"request body exceeds the limit of {limit} bytes")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._phase = _BUSY  # no client deadline until this request is answered
         parser = self.parser
         url = self._url
         path, _, query = url.partition(b"?")
@@ -185,7 +222,7 @@ class _Connection(asyncio.Protocol):
                 parsed = httptools.parse_url(url)
                 path, query = parsed.path or b"/", parsed.query or b""
             except httptools.HttpParserInvalidURLError:
-                raise _Refused(400, "invalid request target") from None
+                raise Refused(400, "invalid request target") from None
         version = parser.get_http_version()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
@@ -210,15 +247,20 @@ class _Connection(asyncio.Protocol):
 
     def _next(self) -> None:
         """Start the handler of the next waiting request, or wait for one."""
-        self._cancel_timer()
         if not self.queue:
-            if self._upgraded or self.server.closing:
+            if self._cut_off is not None:
+                self._refuse(self._cut_off)
+            elif self._upgraded or self.server.closing:
                 self._close()
-            else:
-                self._arm_timer()
+            elif self._phase == _BUSY:  # between requests: the idle wait starts
+                self._set_deadline(_IDLE, self.limits.idle_timeout_s)
             return
         request = self.queue.popleft()
-        if self._reading_paused and len(self.queue) <= _MAX_PIPELINED // 2:
+        if (
+            self._reading_paused
+            and self._cut_off is None
+            and len(self.queue) <= _MAX_PIPELINED // 2
+        ):
             self._reading_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
         self.keep_alive = request.keep_alive and not self.server.closing
@@ -260,20 +302,82 @@ class _Connection(asyncio.Protocol):
         if not self.keep_alive:
             self._close()
             return
-        if self._continue and not self.queue:  # the next request waited for our answer
+        if self._continue and not self.queue and self._cut_off is None:  # it waited for us
             self.write(_CONTINUE)
             self._continue = False
         self._next()
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that cannot be parsed or served, then close."""
-        if self.task is None and not self.closing:
-            response = self.server.error_response(status, message)
-            length = b"Content-Length: %d\r\n" % len(response.body)
-            self.write(encode_head(status, response.headers, False, "1.1", length) + response.body)
+    def _refuse(self, refusal: Refused) -> None:
+        """Answer a request that cannot be parsed or served, then close; when answers are under
+        way, after them (reading stops at once: nothing more of this client is parsed)."""
+        if self.closing:
+            return
+        if self.task is not None or self.queue:
+            if self._cut_off is None:
+                self._cut_off = refusal
+                self._note(refusal)
+                self._phase = _BUSY
+                if not self._reading_paused:
+                    self._reading_paused = True
+                    self.transport.pause_reading()  # type: ignore[union-attr]
+            return
+        if refusal is not self._cut_off:
+            self._note(refusal)
+        response = self.server.error_response(refusal.status, refusal.message)
+        length = b"Content-Length: %d\r\n" % len(response.body)
+        head = encode_head(refusal.status, response.headers, False, "1.1", length)
+        self.write(head + response.body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after a refusal the client may still be sending into: end our side (FIN),
+        drop what arrives for ``_LINGER_S``, then close, so the client reads the answer
+        instead of a reset."""
+        self.closing = True
+        transport = self.transport
+        assert transport is not None
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self._reading_paused:
+            transport.resume_reading()
+        self.loop.call_later(_LINGER_S, transport.close)
+
+    def _note(self, refusal: Refused) -> None:
+        if refusal.reason is not None and self.server.on_reject is not None:
+            self.server.on_reject(refusal.reason)
+
+    # ------------------------------------------------------------------ time
+
+    def _set_deadline(self, phase: int, timeout: float) -> None:
+        """Enter ``phase``, due ``timeout`` from now: a float stored, a timer handle only when
+        none is pending before the new deadline."""
+        self._phase = phase
+        deadline = self._deadline = self.loop.time() + timeout
+        timer = self._timer
+        if timer is None or timer.when() > deadline:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        phase = self._phase
+        if self.closing or phase == _BUSY:
+            return  # no client deadline now; the next phase arms a timer
+        now = self.loop.time()
+        if self._reading_paused:  # the client waits on us, not we on it: its clock restarts
+            timeout = self.limits.header_timeout_s if phase == _HEAD else self.limits.body_timeout_s
+            self._deadline = now + timeout
+        if now < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+        elif phase == _IDLE:
             self._close()
-        else:  # an answer is being written: nothing can go between it and its end
-            self._abort()
+        elif phase == _HEAD:
+            self._refuse(Refused(408, "request headers not received in time", "header_timeout"))
+        else:
+            self._refuse(Refused(408, "request body not received in time", "body_timeout"))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -300,20 +404,6 @@ class _Connection(asyncio.Protocol):
         waiter, self._drain_waiter = self._drain_waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    def _arm_timer(self) -> None:
-        self._cancel_timer()
-        self._timer = self.loop.call_later(self.server.keepalive_timeout_s, self._timed_out)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _timed_out(self) -> None:
-        self._timer = None
-        if self.task is None:
-            self._close()
 
     def _close(self) -> None:
         if not self.closing:
@@ -342,23 +432,38 @@ class HTTPServer:
         error_response: ErrorResponse,
         *,
         max_body_bytes: int,
-        max_header_bytes: int = 64 * 1024,
-        keepalive_timeout_s: float = 75.0,
+        limits: EdgeLimits | None = None,
         shutdown_timeout_s: float = 5.0,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
+        """``limits``: the edge limits (default ``EdgeLimits(max_body_bytes)``); ``on_reject``
+        is told why a client was refused or cut off (``header_timeout``, ``body_timeout``,
+        ``header_too_large``, ``bad_framing``, ``invalid_http``, ``max_connections``)."""
         self.routes = dict(routes)
         self._methods: dict[str, list[str]] = {}
         for method, path in self.routes:
             self._methods.setdefault(path, []).append(method)
         self.error_response = error_response
-        self.max_body_bytes = max_body_bytes
-        self.max_header_bytes = max_header_bytes
-        self.keepalive_timeout_s = keepalive_timeout_s
+        self.limits = limits if limits is not None else EdgeLimits(max_body_bytes)
+        self.max_body_bytes = self.limits.max_body_bytes
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.on_reject = on_reject
         self.connections: set[_Connection] = set()
+        self._turning_away: set[TurnAway] = set()
         self.closing = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
         self._server: asyncio.AbstractServer | None = None
+
+    def _accept(self) -> asyncio.Protocol:
+        """The protocol of a new connection: served, or turned away past ``max_connections``."""
+        cap = self.limits.max_connections
+        if len(self.connections) < cap:
+            return _Connection(self)
+        if self.on_reject is not None:
+            self.on_reject("max_connections")
+        # A flood of them is reset at once, without an answer.
+        answer = len(self._turning_away) < cap
+        return TurnAway(self.error_response, self._turning_away, answer)
 
     async def dispatch(self, request: Request) -> Response | StreamResponse:
         handler = self.routes.get((request.method, request.path))
@@ -381,7 +486,7 @@ class HTTPServer:
         """Listen; returns the bound port (useful with port 0)."""
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(
-            lambda: _Connection(self),
+            self._accept,
             host,
             port,
             backlog=backlog,
@@ -394,6 +499,8 @@ class HTTPServer:
         self.closing = True
         if self._server is not None:
             self._server.close()
+        for refused in list(self._turning_away):
+            refused.abort()
         for conn in list(self.connections):
             conn.close_if_idle()
         tasks = [c.task for c in self.connections if c.task is not None]
