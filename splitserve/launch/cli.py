@@ -22,6 +22,7 @@ from splitserve.launch.deployment import (
     plan_servers,
 )
 from splitserve.launch.process import ProcessStartError
+from splitserve.launch.secrets import DeploymentSecrets
 
 
 def _load(config: str):
@@ -59,8 +60,13 @@ def up(config: str, print_commands: bool) -> None:
     dep = _load(config)
     runner = DeploymentRunner(dep, echo=click.echo)
     if print_commands:
-        for s in plan_servers(dep, ensure_model(dep)):
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.command.env.items())
+        secrets = DeploymentSecrets.create(dep, runner.run_dir)
+        for s in plan_servers(dep, ensure_model(dep), secrets.engine_env()):
+            printable = {**s.command.env, **secrets.printable_env()}
+            env = " ".join(
+                f"{k}={v if k in secrets.printable_env() else shlex.quote(v)}"
+                for k, v in printable.items()
+            )
             args = shlex.join(s.command.argv)
             click.echo(f"# {s.name}\n{env} {args}\n")
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -28,6 +29,7 @@ from pydantic import SecretStr
 from splitserve.config import Deployment, PoolSettings, proxy_config_for
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
+from splitserve.launch.secrets import DeploymentSecrets
 from splitserve.models import PRESETS, ModelSpec, build_model
 from splitserve.netutil import free_port, port_in_use
 
@@ -116,8 +118,11 @@ def _scheduler_args(pool: PoolSettings) -> list[str]:
     ]
 
 
-def plan_servers(dep: Deployment, model: str | Path) -> list[PlannedServer]:
-    """Resolve every server's ports, flags and environment."""
+def plan_servers(
+    dep: Deployment, model: str | Path, secret_env: dict[str, str] | None = None
+) -> list[PlannedServer]:
+    """Resolve every server's ports, flags and environment (``secret_env``: the keys'
+    variables, ``DeploymentSecrets.engine_env``)."""
     planned: list[PlannedServer] = []
     for role in ("prefill", "decode"):
         pool: PoolSettings = getattr(dep, role)
@@ -141,7 +146,7 @@ def plan_servers(dep: Deployment, model: str | Path) -> list[PlannedServer]:
                 extra_args=[*sched_args, *pool.args],
                 cpu=dep.device == "cpu",
                 cpu_core=core if dep.device == "cpu" else None,
-                env={**kv_env, **gpu_env, **pool.env},
+                env={**kv_env, **gpu_env, **pool.env, **(secret_env or {})},
             )
             planned.append(PlannedServer(f"{role}-{i}", role, port, side, cmd))
     return planned
@@ -169,13 +174,24 @@ def check_ports(dep: Deployment, planned: list[PlannedServer]) -> None:
         )
 
 
-def write_proxy_config(dep: Deployment, planned: list[PlannedServer], path: Path) -> Path:
-    """The proxy's YAML (secrets written in clear: the run directory is the user's own)."""
+def write_proxy_config(
+    dep: Deployment,
+    planned: list[PlannedServer],
+    path: Path,
+    secrets: DeploymentSecrets | None = None,
+) -> Path:
+    """The proxy's YAML, with the engines' API key when ``secrets`` holds one (keys written in
+    clear in a file only its owner may read: mode 0600, created so)."""
     side_ports = [s.side_channel_port for s in planned if s.role == "prefill"]
     cfg = proxy_config_for(dep, side_ports, host=HOST)
+    if secrets is not None:
+        cfg = cfg.model_copy(update={"upstream_api_key": SecretStr(secrets.engine_api_key)})
     data = _reveal(cfg.model_dump(mode="python", exclude_none=True))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
@@ -202,6 +218,7 @@ class DeploymentRunner:
         self.run_dir = dep.resolved_run_dir()
         self.group = ServerGroup(self.run_dir / "logs")
         self.planned: list[PlannedServer] = []
+        self.secrets: DeploymentSecrets | None = None
 
     @property
     def url(self) -> str:
@@ -212,7 +229,8 @@ class DeploymentRunner:
         self.echo(f"run directory: {self.run_dir} (logs in {self.run_dir / 'logs'})")
         model = ensure_model(self.dep)
         self.echo(f"model: {model}")
-        self.planned = plan_servers(self.dep, model)
+        self.secrets = DeploymentSecrets.create(self.dep, self.run_dir)
+        self.planned = plan_servers(self.dep, model, self.secrets.engine_env())
         check_ports(self.dep, self.planned)
         for s in self.planned:
             self.group.add(s.name, s.command.argv, port=s.port, host=HOST, env=s.command.env)
@@ -235,7 +253,9 @@ class DeploymentRunner:
 
         self.group.wait(self.dep.startup_timeout_s, on_wait=progress)
         self.echo(f"engine servers ready after {time.monotonic() - t0:.0f} s")
-        proxy_yaml = write_proxy_config(self.dep, self.planned, self.run_dir / "proxy.yaml")
+        proxy_yaml = write_proxy_config(
+            self.dep, self.planned, self.run_dir / "proxy.yaml", self.secrets
+        )
         self.group.add(
             "proxy",
             [sys.executable, "-m", "splitserve.cli", "proxy", "--config", str(proxy_yaml)],

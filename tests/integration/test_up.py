@@ -3,11 +3,13 @@ with no process left behind; bad starts fail fast and clean."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -107,6 +109,8 @@ def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
         assert "in 1 transfers" in report[0] and "loaded the KV of 1 requests" in report[1], report
         children = _descendants(up)
         assert len(children) >= 3  # two engine servers (plus their workers) and the proxy
+        ours = data["connector"]["name"] == "splitserve"
+        _assert_keys_nobody_typed(tmp_path, children, p_url, proxy, ours)
     finally:
         if up.alive():
             os.kill(up.pid, signal.SIGTERM)
@@ -141,3 +145,29 @@ def test_server_that_cannot_start_stops_the_rest(tmp_path, tiny_model) -> None:
     assert "prefill-0: exited with code" in out
     assert "--no-such-engine-flag" in out  # the failing server's own log lines are shown
     assert "all processes stopped" in out
+
+
+def _assert_keys_nobody_typed(run_root, children, engine_url: str, proxy: str, ours: bool) -> None:
+    """`up` made the deployment's keys itself: the connectors run authenticated, the engines'
+    /v1 answers only the proxy (which holds the key), and no command line shows a key."""
+    (secrets,) = list(run_root.rglob("secrets"))
+    keys = {f.name: f.read_text().strip() for f in secrets.iterdir()}
+    assert set(keys) == ({"side-channel.key"} if ours else set()) | {"engine-api.key"}
+    for f in secrets.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o600
+    for proc in children:
+        with contextlib.suppress(psutil.Error):
+            cmdline = " ".join(proc.cmdline())
+            for key in keys.values():
+                assert key not in cmdline, f"a key shows in `ps`: pid {proc.pid}"
+    logs = "".join(f.read_text(errors="replace") for f in run_root.rglob("logs/*.log"))
+    if ours:
+        assert "authenticated: CurveZMQ under the deployment key" in logs
+        assert "NO KEY" not in logs
+    try:
+        urllib.request.urlopen(engine_url + "/v1/models", timeout=30)
+        raise AssertionError("an engine's /v1 answered without the key")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 401
+    with urllib.request.urlopen(proxy + "/v1/models", timeout=30) as r:
+        assert r.status == 200

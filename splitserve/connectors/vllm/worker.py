@@ -184,7 +184,7 @@ class SplitserveWorker:
             self._gpu_poster = _GpuLayerPoster(self.sender.layer_done, self._lock)
         logger.info(
             "SplitserveConnector worker: %d layers, %d blocks of %d tokens (%d bytes/block all "
-            "layers), %s memory, side channel %s:%s, transport %s, direction %s%s",
+            "layers), %s memory, side channel %s:%s (%s), transport %s, direction %s%s",
             len(names),
             layout.num_blocks,
             self.block_size,
@@ -192,6 +192,7 @@ class SplitserveWorker:
             layout.memory,
             self.config.side_channel_host,
             self.config.side_channel_port,
+            "authenticated: CurveZMQ under the deployment key" if key else "NO KEY: open",
             transport,
             direction.value,
             "" if direction is preferred else f" (set by 'direction'; {preferred.value} preferred)",
