@@ -141,3 +141,80 @@ def test_first_token_from_prefill_default_flag_and_validation(tmp_path) -> None:
         ],
     )
     assert result.exit_code == 2 and "first_token_from_prefill" in result.output
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({**BASE, "client_timeouts": {"header_s": 0}}, "client_timeouts.header_s"),
+        ({**BASE, "client_timeouts": {"body_s": -1}}, "client_timeouts.body_s"),
+        ({**BASE, "client_timeouts": {"idle_keepalive_s": 0}}, "client_timeouts.idle_keepalive_s"),
+        ({**BASE, "client_timeouts": {"header": 5}}, "client_timeouts.header"),
+        ({**BASE, "max_connections": 0}, "max_connections"),
+        ({**BASE, "max_in_flight": 0}, "max_in_flight"),
+        ({**BASE, "max_header_bytes": 10}, "max_header_bytes"),
+        ({**BASE, "api_key": "k", "api_key_file": "/k"}, "api_key_file: give api_key or"),
+        ({**BASE, "host": "0.0.0.0"}, "host: 0.0.0.0 opens the proxy to the network"),
+        ({**BASE, "host": "::"}, "host: :: opens"),
+        ({**BASE, "host": "10.0.0.5"}, "host: 10.0.0.5 opens"),
+        ({**BASE, "host": "proxy.example.com"}, "host: proxy.example.com opens"),
+    ],
+)
+def test_bad_edge_settings_name_the_field(data: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        build_config(data)
+
+
+def test_edge_defaults_are_finite() -> None:
+    c = build_config(BASE)
+    t = c.client_timeouts
+    assert 0 < t.header_s <= t.idle_keepalive_s and 0 < t.body_s < 3600
+    assert 0 < c.max_in_flight <= c.max_connections < 1_000_000
+    assert c.max_header_bytes == 64 * 1024 and c.client_key() is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_needs_no_key(host: str) -> None:
+    assert build_config({**BASE, "host": host}).host == host
+
+
+def test_a_network_host_with_a_key_or_insecure(tmp_path: Path) -> None:
+    assert build_config({**BASE, "host": "0.0.0.0", "api_key": "k"}).client_key() == b"k"
+    assert build_config({**BASE, "host": "0.0.0.0", "insecure": True}).client_key() is None
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    c = build_config({**BASE, "host": "0.0.0.0", "api_key_file": str(key)})
+    assert c.client_key() == b"s3cret"
+    assert "s3cret" not in repr(c.model_dump())  # the dump holds the path, not the key
+
+
+def test_api_key_file_problems_name_the_file(tmp_path: Path) -> None:
+    missing = build_config({**BASE, "api_key_file": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match=r"api_key_file: cannot read .*nope"):
+        missing.client_key()
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match=r"api_key_file: .*empty is empty"):
+        build_config({**BASE, "api_key_file": str(empty)}).client_key()
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        f"prefill: [{{url: 'http://x:1'}}]\ndecode: [{{url: 'http://y:1'}}]\n"
+        f"host: 0.0.0.0\napi_key_file: {tmp_path / 'nope'}\n"
+    )
+    result = CliRunner().invoke(cli, ["proxy", "--config", str(f)])
+    assert result.exit_code == 2 and "api_key_file: cannot read" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_key_from_the_environment_opens_a_network_host(tmp_path: Path) -> None:
+    """``splitserve proxy`` validates the file and the flags together: a YAML that binds
+    0.0.0.0 with no key of its own starts when SPLITSERVE_PROXY_API_KEY gives one."""
+    f = tmp_path / "p.yaml"
+    f.write_text("prefill: [{url: 'http://x:1'}]\ndecode: [{url: 'http://y:1'}]\nhost: 0.0.0.0\n")
+    with pytest.raises(ConfigError, match="host: 0.0.0.0 opens"):
+        config_from_options(str(f), (), (), (), (), {})
+    c = config_from_options(str(f), (), (), (), (), {"api_key": "from-env"})
+    assert c.client_key() == b"from-env"
+    f.write_text(f.read_text() + f"api_key_file: {tmp_path / 'nope'}\n")
+    c = config_from_options(str(f), (), (), (), (), {"api_key": "from-env"})
+    assert c.client_key() == b"from-env" and c.api_key_file is None  # the flag's key wins

@@ -632,6 +632,77 @@ async def test_api_key(fakes, proxies) -> None:
         assert r.status == 200
 
 
+async def test_api_key_guards_ready_and_metrics_not_health(fakes, proxies) -> None:
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], api_key="s3cret"))
+    proxies.append(proxy)
+    good = {"Authorization": "Bearer s3cret"}
+    async with aiohttp.ClientSession() as s:
+        for path in ("/ready", "/metrics", "/v1/models"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                async with s.get(proxy.url + path, headers=headers) as r:
+                    assert r.status == 401, path
+                    raw = await r.read()
+                    assert json.loads(raw)["error"]["type"] == "authentication_error"
+                    assert fakes["p1"].url.encode() not in raw  # nothing about the servers
+        async with s.get(proxy.url + "/ready", headers=good) as r:
+            assert r.status == 200 and (await r.json())["prefill"]["servers"][0]["url"]
+        async with s.get(proxy.url + "/metrics", headers=good) as r:
+            assert r.status == 200 and b"splitserve_proxy_" in await r.read()
+        async with s.get(proxy.url + "/health") as r:  # open for probes, and says nothing
+            assert r.status == 200
+            raw = await r.read()
+            assert json.loads(raw) == {"status": "ok"}
+            assert b"127.0.0.1" not in raw
+
+
+async def test_ready_and_metrics_are_open_without_a_key(fakes, proxies) -> None:
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"]))
+    proxies.append(proxy)
+    async with aiohttp.ClientSession() as s:
+        for path in ("/ready", "/metrics", "/health"):
+            async with s.get(proxy.url + path) as r:
+                assert r.status == 200, path
+
+
+async def test_max_in_flight_answers_503_with_retry_after(fakes, proxies) -> None:
+    fakes["d1"].delay = 1.0  # holds the first request while the second arrives
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], max_in_flight=1))
+    proxies.append(proxy)
+    first = asyncio.ensure_future(post(proxy.url + "/v1/completions", COMPLETION))
+    await wait_for(lambda: proxy.state.in_flight == 1)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+            error = (await r.json())["error"]
+            assert error["type"] == "service_unavailable" and "limit of 1" in error["message"]
+        async with s.get(proxy.url + "/health") as r:  # probes are not counted against it
+            assert r.status == 200
+        async with s.get(proxy.url + "/metrics") as r:
+            text = (await r.read()).decode()
+    assert 'splitserve_proxy_edge_rejections_total{reason="max_in_flight"} 1.0' in text
+    status, _ = await first
+    assert status == 200
+    assert proxy.state.in_flight == 0
+    status, _ = await post(proxy.url + "/v1/completions", COMPLETION)  # room again
+    assert status == 200
+
+
+async def test_a_slow_client_is_cut_off_and_counted(fakes, proxies) -> None:
+    proxy = await start_proxy(
+        pd(fakes, ["p1"], ["d1"], client_timeouts={"header_s": 0.5, "body_s": 0.5})
+    )
+    proxies.append(proxy)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+    answer = await asyncio.wait_for(reader.read(), 10.0)  # the answer, then the close
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    writer.close()
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
+        text = (await r.read()).decode()
+    assert 'splitserve_proxy_edge_rejections_total{reason="body_timeout"} 1.0' in text
+    assert fakes["p1"].bodies == []
+
+
 async def test_unknown_route_is_json_404(fakes, proxies) -> None:
     proxy = await start_proxy(pd(fakes, ["p1"], ["d1"]))
     proxies.append(proxy)
