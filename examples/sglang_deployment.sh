@@ -35,7 +35,9 @@ done
 # to P and D at once; the client reads D's answer.
 $PY -m splitserve.cli proxy --engine sglang \
     --prefill http://127.0.0.1:30001 --bootstrap-port 8998 \
-    --decode http://127.0.0.1:30002 --host 0.0.0.0 --port 8000 &
+    --decode http://127.0.0.1:30002 --host 127.0.0.1 --port 8000 &
+# (To listen on 0.0.0.0, give clients a key: export SPLITSERVE_PROXY_API_KEY=...; see
+# docs/security.md. Without one the proxy refuses a non-loopback host.)
 X=$!
 until curl -sf http://127.0.0.1:8000/ready >/dev/null; do sleep 1; done
 echo "serving at http://127.0.0.1:8000/v1"
