@@ -73,6 +73,22 @@ def framing_problem(headers: dict[bytes, bytes], repeats: int, version: str) -> 
     return None
 
 
+def check_framing(
+    headers: dict[bytes, bytes], repeats: int, version: str, limits: EdgeLimits
+) -> None:
+    """Raise ``Refused``: 400 for ambiguous framing (``framing_problem``), 413 for a declared
+    length over ``limits.max_body_bytes``."""
+    problem = framing_problem(headers, repeats, version)
+    if problem is not None:
+        raise Refused(400, f"ambiguous request body framing: {problem}", "bad_framing")
+    length = headers.get(b"content-length")
+    limit = limits.max_body_bytes
+    if length is not None and int(length) > limit:
+        raise Refused(
+            413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes"
+        )
+
+
 class TurnAway(asyncio.Protocol):
     """A connection past ``max_connections``: answer 503 with ``Retry-After``, then close once
     the client's request head arrived (or after ``_TURN_AWAY_LINGER_S``)."""

@@ -1,11 +1,10 @@
 """The proxy's HTTP/1.1 server: client connections on asyncio protocols, parsed by httptools.
 
 Runs in the proxy process, on its event loop; ``proxy/server.py`` gives it the routes. Why not
-aiohttp's server (or uvicorn): on ``benchmarks/proxy_overhead.py``'s stubs a protocol-level
-server cost the proxy markedly less CPU per request than either (the floor experiment and its
-figures: docs/benchmarks.md, "A server of our own"). Parsing is httptools' (llhttp, the C parser
-behind Node.js and uvicorn), as in ``client.py``; this module only frames answers, keeps
-connections and runs one handler per request. Knows nothing of prefill or decode.
+aiohttp's server (or uvicorn): a protocol-level server costs the proxy markedly less CPU per
+request (docs/benchmarks.md, "A server of our own"). Parsing is httptools' (llhttp), as in
+``client.py``; this module frames answers, keeps connections and runs one handler per request.
+Knows nothing of prefill or decode.
 
 Scope: what an OpenAI-compatible endpoint needs. HTTP/1.1 and 1.0; request bodies with
 ``Content-Length`` or chunked, read whole before the handler runs; keep-alive and pipelining
@@ -21,13 +20,11 @@ Invariants:
   handler's upstream requests close and the engines abort them.
 - Every answer the server makes itself (bad HTTP, too large, unknown route or method, a handler
   that crashed) is built by the caller's ``error_response``, so it has the caller's body shape.
-- Bounded (``edge.EdgeLimits``; docs/proxy.md, "Edge limits"): header bytes, counted from the
-  first byte of each request, pipelined ones included (431); body bytes (413); ambiguous body
-  framing (400, ``edge.framing_problem``); connections (past the cap: 503 and closed); and time,
-  per phase of each request: its head (408), its body (408), the idle wait between requests
-  (closed). A client that is too slow is cut off alone: nothing else waits on it.
-- Timers cost nothing per request: a phase stores a deadline; a connection's one timer handle
-  re-arms itself when it fires early, and is replaced only when a deadline moves before it.
+- Bounded (``edge.EdgeLimits``; docs/proxy.md, "Edge limits"): head bytes from each request's
+  first byte, pipelined ones too (431); body bytes (413); ambiguous framing (400); connections
+  (503); time per phase of each request: head, body (408), idle wait (closed). A slow client is
+  cut off alone. A phase stores a deadline; a connection's one timer handle re-arms itself when
+  it fires early and is replaced only when a deadline moves before it: no timer per request.
 - A stream write waits while the connection's send buffer is above its high-water mark (a slow
   client gets backpressure, not the proxy's memory); a write to a client that went away raises
   ``ConnectionResetError``.
@@ -43,7 +40,7 @@ from collections.abc import Callable
 
 import httptools
 
-from splitserve.proxy.http.edge import EdgeLimits, Refused, TurnAway, framing_problem
+from splitserve.proxy.http.edge import EdgeLimits, Refused, TurnAway, check_framing
 from splitserve.proxy.http.messages import (
     ErrorResponse,
     Handler,
@@ -188,18 +185,12 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self._began_at >= 0:  # the whole head came in this read
             self._fed = self._began_at + self._head_parsed + 2
+        else:  # its end did: what was not counted in the reads before
+            self._fed = max(0, self._head_parsed + 2 - self._head_bytes)
         self._set_deadline(_BODY, self.limits.body_timeout_s)
         headers = self._headers
-        if b"content-length" in headers or b"transfer-encoding" in headers or self._lengths:
-            problem = framing_problem(headers, self._lengths, self.parser.get_http_version())
-            if problem is not None:
-                raise Refused(400, f"ambiguous request body framing: {problem}", "bad_framing")
-            length = headers.get(b"content-length")
-            limit = self.limits.max_body_bytes
-            if length is not None and int(length) > limit:
-                raise Refused(
-                    413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes"
-                )
+        if b"content-length" in headers or b"transfer-encoding" in headers:
+            check_framing(headers, self._lengths, self.parser.get_http_version(), self.limits)
         if self._continue and self.task is None and not self.queue:
             self.write(_CONTINUE)
             self._continue = False
@@ -310,19 +301,16 @@ class _Connection(asyncio.Protocol):
     def _refuse(self, refusal: Refused) -> None:
         """Answer a request that cannot be parsed or served, then close; when answers are under
         way, after them (reading stops at once: nothing more of this client is parsed)."""
-        if self.closing:
-            return
+        if self.closing or self._cut_off not in (None, refusal):
+            return  # gone, or already refusing
+        if refusal is not self._cut_off and refusal.reason and self.server.on_reject:
+            self.server.on_reject(refusal.reason)
         if self.task is not None or self.queue:
-            if self._cut_off is None:
-                self._cut_off = refusal
-                self._note(refusal)
-                self._phase = _BUSY
-                if not self._reading_paused:
-                    self._reading_paused = True
-                    self.transport.pause_reading()  # type: ignore[union-attr]
+            self._cut_off, self._phase = refusal, _BUSY
+            if not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
             return
-        if refusal is not self._cut_off:
-            self._note(refusal)
         response = self.server.error_response(refusal.status, refusal.message)
         length = b"Content-Length: %d\r\n" % len(response.body)
         head = encode_head(refusal.status, response.headers, False, "1.1", length)
@@ -343,10 +331,6 @@ class _Connection(asyncio.Protocol):
         if self._reading_paused:
             transport.resume_reading()
         self.loop.call_later(_LINGER_S, transport.close)
-
-    def _note(self, refusal: Refused) -> None:
-        if refusal.reason is not None and self.server.on_reject is not None:
-            self.server.on_reject(refusal.reason)
 
     # ------------------------------------------------------------------ time
 
@@ -445,7 +429,6 @@ class HTTPServer:
             self._methods.setdefault(path, []).append(method)
         self.error_response = error_response
         self.limits = limits if limits is not None else EdgeLimits(max_body_bytes)
-        self.max_body_bytes = self.limits.max_body_bytes
         self.shutdown_timeout_s = shutdown_timeout_s
         self.on_reject = on_reject
         self.connections: set[_Connection] = set()
