@@ -16,8 +16,8 @@ from typing import Any
 import httptools
 import pytest
 
-from splitserve.proxy.http.messages import Request, Response, StreamResponse
 from splitserve.proxy.http.edge import EdgeLimits
+from splitserve.proxy.http.messages import Request, Response, StreamResponse
 from splitserve.proxy.http.server import HTTPServer
 
 
