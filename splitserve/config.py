@@ -113,6 +113,41 @@ class PoolSettings(_Strict):
         return self
 
 
+class RestartSettings(_Strict):
+    """What ``splitserve up`` does when one of its children (an engine server or the proxy)
+    exits: restart it with backoff, within a limit per window, or stop the deployment
+    (``splitserve.launch.restart``, docs/deployment.md)."""
+
+    policy: Literal["always", "on-failure", "never"] = Field(
+        "on-failure",
+        description="'always': restart any exit; 'on-failure': a non-zero exit or a signal; "
+        "'never': any exit stops the whole deployment.",
+    )
+    max_restarts: int = Field(
+        5, ge=0, le=1000, description="Restarts of one child allowed within window_s seconds."
+    )
+    window_s: float = Field(300.0, gt=0, description="The window max_restarts counts over.")
+    backoff_s: float = Field(
+        1.0, ge=0, le=3600, description="Wait before a first restart; doubled per restart."
+    )
+    max_backoff_s: float = Field(30.0, ge=0, le=3600, description="The most a restart waits.")
+    port_wait_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="How long a restart waits for the dead child's ports to be free before the "
+        "deployment gives up.",
+    )
+
+    @model_validator(mode="after")
+    def _cap(self) -> RestartSettings:
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(
+                f"max_backoff_s: {self.max_backoff_s:g} is below backoff_s {self.backoff_s:g}"
+            )
+        return self
+
+
 class Deployment(_Strict):
     """A whole deployment: model, engine, prefill and decode pools, connector, proxy."""
 
@@ -131,6 +166,10 @@ class Deployment(_Strict):
     )
     run_dir: str = Field("runs/{name}", description="Logs and built models go here.")
     startup_timeout_s: float = Field(600.0, gt=0)
+    restart: RestartSettings = Field(
+        default_factory=RestartSettings,
+        description="Restart policy of the servers and the proxy once the deployment serves.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:

@@ -1,8 +1,9 @@
 """``splitserve up``: start a whole deployment from one YAML file (see ``splitserve.config``).
 
 Runs in the user's terminal process; children are supervised by ``DeploymentRunner``.
-Exit codes: 0 after Ctrl-C / SIGTERM, 1 when a server fails (its log tail is shown), 2 for a
-bad config file (the message names the file and the field).
+Exit codes: 0 after Ctrl-C / SIGTERM, 1 when a server fails to start or dies more often than
+the restart policy allows (its log tail is shown), 2 for a bad config file (the message names the
+file and the field).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Runs in the ``splitserve up`` process, which supervises every child (engine servers and the
 proxy) through a ``ServerGroup``: each child in its own process group with a log file in the run
-directory; any start-up failure stops everything and shows the failing server's log tail; a
-signal or a child that dies later stops everything. No child outlives ``up``.
+directory; any start-up failure stops everything and shows the failing server's log tail. Once
+serving, a child that dies is restarted under the deployment's restart policy
+(``splitserve.launch.supervisor``) while the rest keep serving; a signal, or the policy giving
+up, stops everything. No child outlives ``up``.
 
 The engine command lines come from ``splitserve.launch.engines`` (no engine import here), so
 ``describe`` can print exactly what ``up`` runs, for users porting it to their orchestrator.
@@ -30,6 +32,7 @@ from splitserve.config import Deployment, PoolSettings, proxy_config_for
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
 from splitserve.launch.secrets import DeploymentSecrets
+from splitserve.launch.supervisor import Supervisor
 from splitserve.models import PRESETS, ModelSpec, build_model
 from splitserve.netutil import free_port, port_in_use
 
@@ -279,19 +282,26 @@ class DeploymentRunner:
         )
 
     def supervise(self) -> int:
-        """Block until a signal (exit 0) or a child dies (exit 1)."""
-        try:
-            while True:
-                time.sleep(1.0)
-                for s in self.group.servers.values():
-                    if not s.process.alive():
-                        self.echo(
-                            f"{s.name} exited with code {s.process.returncode()}; stopping the "
-                            f"deployment\n--- last log lines of {s.name} ---\n{s.process.tail()}"
-                        )
-                        return 1
-        except KeyboardInterrupt:
-            return 0
+        """Keep the deployment serving until a signal (exit 0), restarting a child that dies
+        under the deployment's restart policy; exit 1 when the policy gives up
+        (``splitserve.launch.supervisor``)."""
+        return Supervisor(
+            self.group,
+            self.dep.restart,
+            self.child_ports(),
+            self.echo,
+            host=HOST,
+            startup_timeout_s=self.dep.startup_timeout_s,
+        ).run()
+
+    def child_ports(self) -> dict[str, list[int]]:
+        """The ports each child listens on, which a restart waits to be free."""
+        ports = {
+            s.name: [s.port] + ([s.side_channel_port] if s.side_channel_port else [])
+            for s in self.planned
+        }
+        ports["proxy"] = [proxy_port(self.dep)]
+        return ports
 
     @staticmethod
     def install_signal_handlers() -> None:

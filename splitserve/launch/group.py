@@ -183,6 +183,29 @@ class ServerGroup:
                     failed.process.stop()
             raise
 
+    def restart(self, name: str, note: str = "") -> Server:
+        """Start a server again with its same command line, environment and log file (appended
+        to, after a ``note`` line that marks where the new run begins); it keeps its place in
+        the stop order and is not ready until a probe says so.
+
+        What is left of the old process tree (helpers of a server whose top process died) is
+        stopped first, so that nothing of the old run holds its ports or memory.
+        """
+        with self._lock:
+            server = self.servers[name]
+        old = server.process
+        old.stop(grace=5.0)
+        if note:
+            old.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(old.log_path, "a", encoding="utf-8") as log:
+                log.write(f"\n===== splitserve: {note} =====\n")
+        proc = ManagedProcess(old.name, old.argv, old.log_path, env=old.env, cwd=old.cwd)
+        server.process = proc
+        server.ready = False
+        server.last_used = time.monotonic()
+        proc.start()
+        return server
+
     def stop(self) -> None:
         """Stop every server, last started first."""
         with self._lock:

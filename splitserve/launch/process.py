@@ -25,6 +25,23 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
+# How much of the end of a log ``tail`` reads: enough for a traceback, bounded for a huge log.
+TAIL_BYTES = 65536
+
+
+def tail_lines(data: bytes, lines: int, cut: bool = False) -> str:
+    """The last ``lines`` lines of ``data`` as text (bad UTF-8 replaced, not fatal).
+
+    ``cut``: ``data`` starts mid-file (a bounded read), so its first line may be partial: it is
+    dropped when whole lines follow it.
+    """
+    if lines <= 0:
+        return ""
+    split = data.decode("utf-8", "replace").splitlines()
+    if cut and len(split) > 1:
+        split = split[1:]
+    return "\n".join(split[-lines:])
+
 
 class ProcessStartError(RuntimeError):
     """A managed process died or did not become ready in time."""
@@ -53,6 +70,8 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        # Where this run's lines begin in the log file (set by ``start``).
+        self.log_offset = 0
 
     @property
     def pid(self) -> int | None:
@@ -64,6 +83,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.seek(0, os.SEEK_END)
             self.proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
@@ -83,11 +103,17 @@ class ManagedProcess:
         return None if self.proc is None else self.proc.poll()
 
     def tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines this run wrote (a restarted process appends to the log of
+        the runs before it; their lines are not this run's)."""
         try:
-            data = self.log_path.read_bytes()[-65536:]
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                start = max(self.log_offset, size - TAIL_BYTES)
+                f.seek(start)
+                data = f.read()
         except OSError:
             return "(no log)"
-        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+        return tail_lines(data, lines, cut=start > self.log_offset)
 
     def wait_ready(
         self,

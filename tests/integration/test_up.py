@@ -1,4 +1,5 @@
-"""``splitserve up`` for real: the demo deployment comes up, serves through the proxy and stops
+"""``splitserve up`` for real: the demo deployment comes up, serves through the proxy, keeps
+serving when its decode server is SIGKILLed (the server is restarted and serves again), and stops
 with no process left behind; bad starts fail fast and clean."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -77,19 +79,7 @@ def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
     children: list[psutil.Process] = []
     try:
         up.wait_ready(lambda: http_ok(proxy + "/ready"), timeout=900, interval=2)
-        body = {
-            "model": data["model"]["served_name"],
-            "prompt": "hello world the quick brown fox",
-            "max_tokens": 8,
-            "temperature": 0,
-        }
-        req = urllib.request.Request(
-            proxy + "/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            out = json.loads(r.read())
+        out = _complete(proxy, data)
         assert out["usage"]["completion_tokens"] > 0
         # The KV went from P to D through our connector, and the demo's report reads it.
         servers = [
@@ -111,6 +101,9 @@ def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
         assert len(children) >= 3  # two engine servers (plus their workers) and the proxy
         ours = data["connector"]["name"] == "splitserve"
         _assert_keys_nobody_typed(tmp_path, children, p_url, proxy, ours)
+        # One dead server does not take the deployment down: it is restarted and serves again.
+        _kill_decode_and_see_it_restarted(up, data, proxy, out)
+        children = _descendants(up)
     finally:
         if up.alive():
             os.kill(up.pid, signal.SIGTERM)
@@ -118,6 +111,71 @@ def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running after up stopped: {[p.pid for p in alive]}"
     assert "all processes stopped" in up.tail(5)
+
+
+def _complete(proxy: str, data: dict, timeout: float = 300) -> dict:
+    body = {
+        "model": data["model"]["served_name"],
+        "prompt": "hello world the quick brown fox",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        proxy + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _server_tree(up: ManagedProcess, port: int) -> list[psutil.Process]:
+    """The process tree of the child of ``up`` that serves HTTP on ``port``."""
+    for child in psutil.Process(up.pid).children():
+        with contextlib.suppress(psutil.Error):
+            argv = child.cmdline()
+            if "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+                return [child, *child.children(recursive=True)]
+    raise AssertionError(f"no child of up serves port {port}")
+
+
+def _kill_decode_and_see_it_restarted(
+    up: ManagedProcess, data: dict, proxy: str, before: dict
+) -> None:
+    """SIGKILL the decode server's whole tree: ``up`` keeps running, the proxy keeps answering,
+    the decode server is restarted (``up`` says so, with the dead server's exit code) and, once
+    it is up again, a completion through the proxy gives the same answer as before."""
+    tree = _server_tree(up, data["decode"]["base_port"])
+    old_pids = {p.pid for p in tree}
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(tree, timeout=30)
+    deadline = time.monotonic() + 120
+    while "restarted decode-0" not in up.tail(400):
+        assert up.alive(), f"up stopped when decode-0 died:\n{up.tail(80)}"
+        assert time.monotonic() < deadline, f"decode-0 not restarted:\n{up.tail(80)}"
+        assert http_ok(proxy + "/health"), "the proxy stopped answering /health"
+        time.sleep(1)
+    log = up.tail(400)
+    assert "decode-0 exited with code -9 (SIGKILL); restarting it in" in log, log
+    assert "--- last log lines of decode-0 ---" in log, log
+    new = _server_tree(up, data["decode"]["base_port"])
+    assert not old_pids & {p.pid for p in new}, "the old decode server was not replaced"
+    # Engines take a minute or two to start on a 2-core machine; then the proxy readmits D.
+    deadline = time.monotonic() + 600
+    while True:
+        assert up.alive(), f"up stopped while decode-0 restarted:\n{up.tail(80)}"
+        assert http_ok(proxy + "/health"), "the proxy stopped answering /health"
+        try:
+            after = _complete(proxy, data, timeout=120)
+            break
+        except (urllib.error.URLError, OSError) as e:
+            assert time.monotonic() < deadline, f"no completion after the restart: {e}"
+            time.sleep(5)
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    up.wait_ready(lambda: "decode-0 ready again after" in up.tail(400), timeout=30, interval=1)
+    assert "prefill-0 exited" not in up.tail(400) and "proxy exited" not in up.tail(400)
 
 
 def test_port_taken_fails_fast_and_starts_nothing(tmp_path, tiny_model) -> None:
