@@ -124,8 +124,8 @@ class ClientTimeouts(_Strict):
     limits"): a client too slow is cut off (408, or closed when idle) and nothing else waits."""
 
     header_s: float = Field(
-        30.0, gt=0, le=3600, description="A request's first byte (a new connection: its accept) "
-        "to its full head.",
+        30.0, gt=0, le=3600, description="A request's first byte to its full head (and a new "
+        "connection's accept to its first byte).",
     )  # fmt: skip
     body_s: float = Field(
         120.0, gt=0, le=3600, description="The end of a request's head to the end of its body."

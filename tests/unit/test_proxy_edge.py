@@ -163,11 +163,12 @@ async def test_a_head_dripping_bytes_is_cut_off_all_the_same(edge: Edge) -> None
     assert edge.rejected == ["header_timeout"]
 
 
-async def test_a_connection_that_sends_nothing_is_cut_off(edge: Edge) -> None:
+async def test_a_connection_that_sends_nothing_is_closed_unanswered(edge: Edge) -> None:
+    """Closed within header_timeout_s, without a 408 that a pooled client could take for the
+    answer to a request it sends just then."""
     reader, writer = await connect(edge.port)
-    (answer,) = await read_answers(reader, 1, timeout=BOUND_S)
-    assert answer.status == 408
-    assert await closed_by_server(reader, timeout=BOUND_S)
+    assert await asyncio.wait_for(reader.read(), BOUND_S) == b""
+    await wait_for(lambda: not edge.server.connections)
 
 
 async def test_a_slow_body_is_cut_off_with_408(edge: Edge) -> None:

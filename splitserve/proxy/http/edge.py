@@ -46,7 +46,7 @@ class EdgeLimits:
 
     max_body_bytes: int
     max_header_bytes: int = 64 * 1024
-    header_timeout_s: float = 30.0  # a request's first byte (or the accept) to its full head
+    header_timeout_s: float = 30.0  # a request's first byte to its full head; accept to 1st byte
     body_timeout_s: float = 120.0  # the end of the head to the end of the body
     idle_timeout_s: float = 75.0  # an answered keep-alive connection to the next request's byte
     max_connections: int = 10_000  # client connections per server (per proxy process)

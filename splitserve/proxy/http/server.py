@@ -81,7 +81,7 @@ class _Connection(asyncio.Protocol):
         self._upgraded = False
         self._cut_off: Refused | None = None  # answered once the answers under way are sent
         # Time: the phase, its deadline, the one timer handle (see the module's invariants).
-        self._phase = _HEAD  # a fresh connection owes its first head within header_timeout_s
+        self._phase = _IDLE  # a fresh connection: its first byte is due within header_timeout_s
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
         # Bytes of the current read the parser consumed before the request being parsed began
@@ -103,7 +103,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(self)
-        self._set_deadline(_HEAD, self.limits.header_timeout_s)
+        self._set_deadline(_IDLE, self.limits.header_timeout_s)  # closed unanswered if silent
 
     def data_received(self, data: bytes) -> None:
         if self.closing or self._cut_off is not None:
