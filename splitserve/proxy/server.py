@@ -178,6 +178,8 @@ def _server_error(state: ProxyState) -> Callable[[int, str], Response]:
     def answer(status: int, message: str) -> Response:
         state.metrics.errors.labels("too_large" if status == 413 else "http").inc()
         err_type = "invalid_request_error" if status < 500 else "internal_error"
+        if status == 503:  # past max_connections
+            err_type = "service_unavailable"
         return _json_response(error_body(message, err_type, status), status)
 
     return answer

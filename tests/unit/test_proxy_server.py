@@ -767,3 +767,22 @@ async def wait_for(cond, timeout: float = 10.0) -> None:  # type: ignore[no-unty
         if loop.time() > end:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+async def test_max_connections_turns_away_with_503(fakes, proxies) -> None:
+    proxy = await start_proxy(pd(fakes, ["p1"], ["d1"], max_connections=1))
+    proxies.append(proxy)
+    held_reader, held_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    await wait_for(lambda: len(proxy.http.connections) == 1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10.0)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in head
+    assert json.loads(body)["error"]["type"] == "service_unavailable"
+    writer.close()
+    held_writer.close()
+    await wait_for(lambda: not proxy.http.connections)
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
+        text = (await r.read()).decode()
+    assert 'splitserve_proxy_edge_rejections_total{reason="max_connections"} 1.0' in text
