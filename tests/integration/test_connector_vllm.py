@@ -315,6 +315,32 @@ def test_no_leak_and_metrics(pair):
     assert sum(metric(url, "vllm:splitserve_writes_posted_total") for url in urls) == 0
 
 
+def test_layers_are_posted_during_the_forward(pair, tiny_model):
+    """The overlap proof on a real server: a chunked prefill through the pair has P post every
+    layer from the per-layer hook while its forward runs (``layers_posted_in_forward`` rises by
+    at least the model's layer count) and none after it (``layers_posted_at_step_end`` stays).
+    Were the hook to stop firing (an engine upgrade renaming what we hook), the tokens would
+    still match, every layer going out after the forward as one bulk transfer: this fails then."""
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    p, d = pair["ss-a"], pair["ss-b"]
+    p_url = p[0]
+    names = [
+        "vllm:splitserve_transfers_completed_total",
+        "vllm:splitserve_layers_posted_in_forward_total",
+        "vllm:splitserve_layers_posted_at_step_end_total",
+    ]
+    completed, in_forward, at_step_end = (metric(p_url, name) for name in names)
+    prompt = prompt_of(1300, 1400)  # three chunks on P
+    assert_same(concurrent_flow(p, d, prompt), reference(p_url, prompt), "overlap")
+    # P's stats reach /metrics with its step outputs; the transfer's completion comes last.
+    end = time.monotonic() + 60
+    while metric(p_url, names[0]) <= completed:
+        assert time.monotonic() < end, "P's transfer never counted as completed"
+        time.sleep(0.2)
+    assert metric(p_url, names[1]) >= in_forward + layers, "layers not posted in the forward"
+    assert metric(p_url, names[2]) == at_step_end, "layers posted after the forward"
+
+
 def test_push_prefill_server(pair, servers, tiny_model):
     """A P whose connector sets ``"direction": "push"`` (WRITEs into D) serving the pair's D
     (which follows P's direction): greedy tokens equal colocated, chunked and first-token."""
