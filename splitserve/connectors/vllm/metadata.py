@@ -57,12 +57,13 @@ class ProduceEnd:
 
 @dataclass
 class ReceiveStart:
-    """D: register ``block_ids`` (D's, for logical blocks from ``token_offset // B``) with P."""
+    """D: register ``block_ids`` (D's, for logical blocks from ``token_offset // B``) with P,
+    at P's side channel (``kv_transfer_params``' ``remote_host`` / ``remote_port``)."""
 
     req_id: str
     transfer_id: str
-    remote_host: str
-    remote_port: int
+    side_channel_host: str
+    side_channel_port: int
     block_ids: list[int]
     token_offset: int
     first_token: bool = False  # ask P for its first output token with DONE
@@ -73,8 +74,8 @@ class ReceiveRelease:
     """D: we need none of P's blocks for this transfer (full local hit, or aborted early)."""
 
     transfer_id: str
-    remote_host: str
-    remote_port: int
+    side_channel_host: str
+    side_channel_port: int
 
 
 @dataclass

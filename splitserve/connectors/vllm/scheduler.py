@@ -195,8 +195,8 @@ class SplitserveScheduler:
             ReceiveStart(
                 req_id=req_id,
                 transfer_id=params.transfer_id,
-                remote_host=params.remote_host,
-                remote_port=params.remote_port,
+                side_channel_host=params.remote_host,
+                side_channel_port=params.remote_port,
                 block_ids=block_ids[logical.start : logical.stop],
                 token_offset=local_tokens,
                 first_token=first,

@@ -248,15 +248,15 @@ class SplitserveWorker:
                 transfers[key] = _Transfer(start.req_id, Phase.LOADING)
                 receiver.expect(
                     start.transfer_id,
-                    start.remote_host,
-                    start.remote_port,
+                    start.side_channel_host,
+                    start.side_channel_port,
                     start.block_ids,
                     start.token_offset,
                     start.first_token,
                 )
             for release in meta.receive_release:
                 receiver.release_remote(
-                    release.transfer_id, release.remote_host, release.remote_port
+                    release.transfer_id, release.side_channel_host, release.side_channel_port
                 )
             outbox.failed.update(meta.receive_fail)
             for abort in meta.receive_abort:
