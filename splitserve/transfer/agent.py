@@ -298,7 +298,8 @@ class KVAgent:
                 failed.append(handle)
         return pending, failed
 
-    def release(self, handle: XferHandle) -> None:
+    def release(self, handle: XferHandle) -> bool:
+        """Release a handle (NIXL cancels it if still in flight); False when NIXL refused."""
         with self._lock:
             self._in_flight.pop(id(handle), None)
             try:
@@ -307,6 +308,13 @@ class KVAgent:
                 # NIXL refuses to release a transfer it cannot cancel; the handle is leaked to
                 # the agent's own cleanup list rather than silently dropped.
                 logger.error("could not release transfer handle to %s: %s", handle.peer, exc)
+                return False
+            return True
+
+    def abandon(self, handles: Sequence[XferHandle]) -> list[XferHandle]:
+        """Cancel posts that stalled past their deadline (a silent transport); answers those
+        NIXL could not cancel, which may still move bytes (their blocks must stay held)."""
+        return [handle for handle in handles if not self.release(handle)]
 
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name (also drives NIXL progress)."""

@@ -38,6 +38,7 @@ class ReceiverStats:
     bytes_read: int = 0
     post_seconds: float = 0.0  # pull: seconds inside READ posts (over cma: the copy, on D)
     completed_on_first_token: int = 0  # pull: completed on P's FIRST_TOKEN, not its DONE
+    reads_cancelled: int = 0  # pull: READs of an ended load cancelled past their deadline
     handoffs_s: list[float] = field(default_factory=list)
 
 
@@ -63,6 +64,7 @@ class Incoming:
     ready: Ready | None = None  # P said the blocks are filled; completes once no READ is left
     final: Outcome | None = None  # settled, given to the engine once no READ is in flight
     reads: list[XferHandle] = field(default_factory=list)  # pull: posted, not settled
+    reads_deadline: float | None = None  # an ended load's READs are cancelled past this
     read_pairs: set[tuple[int, int]] = field(default_factory=set)  # pull: (layer, block) read
     early_token: messages.FirstToken | None = None  # pull: P's engine's token, before DONE
 

@@ -43,6 +43,7 @@ class SenderStats:
     transfers_failed: int = 0
     transfers_aborted: int = 0
     lease_expiries: int = 0
+    transfers_stalled: int = 0  # failed: no post completed within the lease (silent transport)
     registrations_received: int = 0
     registrations_rejected: int = 0
     # Seconds this side spent inside WRITE posts (pull: ANNOUNCE sends), on the thread that
@@ -85,6 +86,7 @@ class Outgoing:
     first: int = 0  # the first logical block D asked for (it holds those before)
     sent_upto: int = 0  # logical blocks [first, sent_upto) posted for every layer
     handles: list[XferHandle] = field(default_factory=list)  # posts in flight
+    stall_mark: float | None = None  # when a post last completed (or the first was posted)
     reply: Reply = Reply.BY_STATE
 
     @property
@@ -178,3 +180,17 @@ class SendStrategy:
 
     def release(self, out: Outgoing) -> None:
         """The transfer is over and its blocks are freed: drop what is kept for it."""
+
+
+def stalled(out: Outgoing, in_flight: list[XferHandle], now: float, limit_s: float) -> bool:
+    """Track when a post of ``out`` last completed (``in_flight``: its posts before this
+    round's progress); True when posts are in flight and none completed for ``limit_s``: the
+    transport went silent (a partition, a wedged peer). Posts that keep completing, however
+    long the prefill, never stall."""
+    if not out.handles:
+        out.stall_mark = None
+        return False
+    if out.stall_mark is None or any(h not in out.handles for h in in_flight):
+        out.stall_mark = now
+        return False
+    return now - out.stall_mark >= limit_s

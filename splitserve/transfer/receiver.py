@@ -217,7 +217,9 @@ class KVReceiver:
         if failed and inc.record.state is S.REGISTERED:
             self._fail_and_abort(inc, f"READ from prefill side {inc.peer} failed")
         if inc.reads:
-            return
+            self._watch_reads(inc)
+            if inc.reads:
+                return
         if inc.final is not None:
             final, inc.final = inc.final, None
             self._settle(inc, final)
@@ -228,6 +230,30 @@ class KVReceiver:
             handoff = max(0.0, time.time() - inc.ready.prefill_end_wall)
             token = inc.ready.first_token if inc.wants_token else None
             self._settle(inc, Outcome(True, exposed_handoff_s=handoff, first_token=token))
+
+    def _watch_reads(self, inc: Incoming) -> None:
+        """An ended load (its outcome held back for its READs) whose READs have not settled
+        within ``abort_ack_timeout_s`` (a transport gone silent) cancels them, so its blocks
+        are not held forever. A live load's READs are bounded by ``done_timeout_s`` instead.
+        A READ NIXL cannot cancel keeps the blocks held (tried again after another period)."""
+        if inc.final is None:
+            return
+        now = self.clock()
+        if inc.reads_deadline is None:
+            inc.reads_deadline = now + self.abort_ack_timeout_s
+            return
+        if now < inc.reads_deadline:
+            return
+        logger.warning(
+            "transfer %s: %d READs from %s did not settle within %ss of the load's end: cancelling",
+            inc.record.transfer_id,
+            len(inc.reads),
+            inc.peer,
+            self.abort_ack_timeout_s,
+        )
+        self.stats.reads_cancelled += len(inc.reads)
+        inc.reads = self.agent.abandon(inc.reads)
+        inc.reads_deadline = None
 
     def _hold_until_ack(self, inc: Incoming, outcome: Outcome) -> None:
         inc.outcome = outcome

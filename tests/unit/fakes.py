@@ -83,8 +83,11 @@ class FakeAgent:
 
     settle = KVAgent.settle  # the real one: it only calls check and release
 
-    def release(self, handle: FakeHandle) -> None:
-        pass
+    def release(self, handle: FakeHandle) -> bool:
+        handle.released = True
+        return True
+
+    abandon = KVAgent.abandon  # the real one: it only calls release
 
     def metadata(self) -> bytes:
         return b"meta"

@@ -168,3 +168,61 @@ def test_the_router_refuses_a_second_live_connection_with_the_same_routing_id() 
         assert got == [b"first"]
     finally:
         ctx.destroy(0)
+
+
+# -- deadlines: no state waits forever for a transport gone silent ------------------------------
+
+
+def test_push_writes_that_never_complete_fail_the_transfer_within_the_lease_and_free() -> None:
+    from transfer_steps import make_sender, register, run_prefill
+
+    from splitserve.transfer.state import TransferState
+
+    sender, agent, channel = make_sender(lease_s=10.0)  # its clock: one second per call
+    sender.add_request("t", 40)
+    register(channel, "t", [5, 6, 7])
+    run_prefill(sender, "t", [1, 2, 3], [40])  # every WRITE stays in flight, forever
+    sender.finish_request("t")
+    released: set[str] = set()
+    for _ in range(30):  # well past the lease
+        released |= sender.poll()
+    assert released == {"t"}, "the stalled transfer's blocks were never freed"
+    assert sender.state_of("t") is None
+    assert sender.stats.transfers_stalled == 1
+    assert all(getattr(h, "released", False) for h in agent.posted), "posts not cancelled"
+    (abort,) = [m for _, m in channel.sent if isinstance(m, messages.Abort)]
+    assert "stalled" in abort.reason
+    assert TransferState.FAILED.value in abort.reason
+
+
+def test_slow_but_moving_writes_never_stall() -> None:
+    from transfer_steps import make_sender, register, run_prefill
+
+    sender, agent, channel = make_sender(lease_s=10.0)
+    sender.add_request("t", 400)
+    register(channel, "t", list(range(5, 30)))
+    for computed in range(16, 401, 16):  # a long prefill: each step one WRITE completes
+        run_prefill(sender, "t", list(range(1, 26)), [computed])
+        agent.posted[0].state = "DONE"
+        agent.posted.pop(0)
+    assert sender.stats.transfers_stalled == 0
+
+
+def test_reads_of_an_ended_load_that_never_settle_are_cancelled_and_the_load_settles() -> None:
+    from transfer_steps import P_ADDR, announce, pull_receiver
+
+    from splitserve.transfer.side_channel import Inbound
+
+    receiver, agent, channel, ack = pull_receiver()  # abort_ack_timeout_s=3, 1 s per call
+    receiver.expect("t", "127.0.0.1", 1, [4, 5], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    announce(channel, "t", [0], [1], [4])
+    announce(channel, "t", [1], [1], [4])
+    receiver.poll()
+    agent.posted[0].state = "ERR"  # one READ fails; the other never settles
+    outcomes: dict = {}
+    for _ in range(20):
+        outcomes |= receiver.poll()
+    assert not outcomes["t"].ok and "READ" in outcomes["t"].reason
+    assert receiver.stats.reads_cancelled == 1
+    assert getattr(agent.posted[1], "released", False)
