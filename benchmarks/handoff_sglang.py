@@ -43,6 +43,7 @@ from pathlib import Path
 
 from splitserve.launch.group import ServerGroup
 from splitserve.netutil import free_ports
+from splitserve.transfer.auth import write_key_file
 
 START_TIMEOUT = 900.0
 CHUNK = 2048  # as the vLLM rows' --max-num-batched-tokens
@@ -229,6 +230,9 @@ def run(
             server_env = dict(env) | backend_env
             if backend == "mooncake":
                 server_env = _with_mooncake_deps(server_env)
+            if backend == "splitserve":  # the side channel binds the host's address: keyed
+                key = write_key_file(group.log_dir / "secrets" / "auth.key")
+                server_env["SPLITSERVE_AUTH_KEY_FILE"] = str(key)
             common = dict(transfer_backend=backend)
             p = _server(
                 model,

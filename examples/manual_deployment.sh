@@ -12,6 +12,13 @@ PY=${PYTHON:-python}
 # Every vLLM server on a CPU machine: KV cache size (GiB), no hub, fp32, eager.
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
+# The deployment's key (docs/security.md): a fresh one in a 0600 file, named by the environment
+# (never on a command line). Every prefill and decode server reads the same file.
+umask 077
+KEY_DIR=$(mktemp -d)
+"$PY" -c 'import secrets; print(secrets.token_urlsafe(32))' > "$KEY_DIR/auth.key"
+export SPLITSERVE_AUTH_KEY_FILE="$KEY_DIR/auth.key"
+
 # SplitserveConnector on both sides. side_channel_port is where P's connector listens for D's
 # registrations; the proxy must know P's, so it is fixed. Both servers use kv_role kv_both.
 KV_P='{"kv_connector":"SplitserveConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"side_channel_host":"127.0.0.1","side_channel_port":5600}}'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An SGLang prefill/decode deployment behind the splitserve proxy, on a GPU node.
 # NOT RUN HERE (our machines have no GPU); on our CPUs the same flow runs in
-# tests/integration/test_sglang_pd.py with CPU flags (see splitserve/connectors/sglang/launch.py).
+# tests/integration/test_sglang_pd.py with CPU flags (see splitserve/launch/engines.py).
 #
 # usage: examples/sglang_deployment.sh MODEL   (a local dir or a Hugging Face id)
 #

@@ -7,12 +7,10 @@ shared pair is still running when the second module asks for it.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from session_keys import TEST_KEY, key_env, test_key_file
 
 SGLANG_PD_CHUNK = 64
 SGLANG_START_TIMEOUT = 600.0
@@ -24,7 +22,7 @@ class SplitservePair:
     on its own core; either can prefill for the other. ``pair[key]`` is ``(url, side_port)``."""
 
     servers: dict[str, tuple[str, int]]
-    auth_key: str = "splitserve-test-key"
+    auth_key: str = TEST_KEY
     budget: int = 512  # --max-num-batched-tokens
 
     def __getitem__(self, key: str) -> tuple[str, int]:
@@ -37,12 +35,7 @@ class SplitservePair:
     @property
     def key_file(self) -> str:
         """The shared key as the connector reads it: a 0600 file (never the command line)."""
-        from splitserve.transfer.auth import write_key_file
-
-        path = Path(tempfile.gettempdir()) / f"splitserve-test-{os.getpid()}" / "auth.key"
-        if not path.exists():
-            write_key_file(path, self.auth_key)
-        return str(path)
+        return test_key_file(self.auth_key)
 
     def kv_config(self, side_port: int) -> dict:
         """The pair's ``--kv-transfer-config`` (also for a third server that joins it)."""
@@ -121,8 +114,8 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
         )
         p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
         d = sglang_server(model, d_port, mode="decode", **common)
-        group.add("sglang-pd-prefill", p.argv, port=p_port, env=p.env)
-        group.add("sglang-pd-decode", d.argv, port=d_port, env=d.env)
+        group.add("sglang-pd-prefill", p.argv, port=p_port, env={**p.env, **key_env()})
+        group.add("sglang-pd-decode", d.argv, port=d_port, env={**d.env, **key_env()})
     names = ["sglang-pd-prefill", "sglang-pd-decode"]
     group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
     p_server = group.servers["sglang-pd-prefill"]

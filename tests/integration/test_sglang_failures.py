@@ -25,6 +25,7 @@ import urllib.request
 
 import psutil
 import pytest
+from session_keys import key_env
 
 pytest.importorskip("sglang")
 
@@ -63,7 +64,7 @@ class Pair:
             bootstrap_port=bootstrap,
             served_model_name="tiny",
             chunked_prefill_size=CHUNK,
-            env=ENV,
+            env={**ENV, **key_env()},
         )
         self.group.add(key, cmd.argv, port=port, env=cmd.env)
         self.keys.append(key)

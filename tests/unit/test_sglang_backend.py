@@ -208,3 +208,40 @@ def test_manager_fails_through_one_path_and_forgets_the_transfer():
     mgr.request_status[12] = poll.Failed
     mgr.drive()
     assert mgr.transfers == {}
+
+
+def test_a_prefill_side_channel_on_the_network_needs_a_key(monkeypatch, tmp_path) -> None:
+    from splitserve.connectors.sglang.transport import side_channel_key
+    from splitserve.transfer.auth import write_key_file
+
+    for name in ("SPLITSERVE_AUTH_KEY", "SPLITSERVE_AUTH_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    plain = BackendSettings.from_env({})
+    assert side_channel_key(plain, "127.0.0.1", prefill=True) is None
+    assert side_channel_key(plain, "10.0.0.5", prefill=False) is None  # D binds nothing
+    with pytest.raises(BackendSettingsError, match="no auth key") as err:
+        side_channel_key(plain, "10.0.0.5", prefill=True)
+    assert "SPLITSERVE_SGLANG_INSECURE" in str(err.value)
+    lab = BackendSettings.from_env({"SPLITSERVE_SGLANG_INSECURE": "1"})
+    assert side_channel_key(lab, "10.0.0.5", prefill=True) is None
+    with pytest.raises(BackendSettingsError, match="SGLANG_HOST_IP"):
+        side_channel_key(lab, "0.0.0.0", prefill=True)
+    key_file = write_key_file(tmp_path / "k")
+    keyed = BackendSettings.from_env({"SPLITSERVE_SGLANG_AUTH_KEY_FILE": str(key_file)})
+    assert (
+        side_channel_key(keyed, "10.0.0.5", prefill=True) == key_file.read_text().strip().encode()
+    )
+
+
+def test_decode_allowlist_of_prefill_hosts() -> None:
+    from splitserve.connectors.sglang.transport import prefill_allowlist
+
+    assert prefill_allowlist(BackendSettings.from_env({})) is None
+    env = {"SPLITSERVE_SGLANG_ALLOWED_PREFILL_HOSTS": "10.1.0.0/16, p0.pool"}
+    allowlist = prefill_allowlist(BackendSettings.from_env(env))
+    assert allowlist.allows("10.1.9.9") and allowlist.allows("P0.pool")
+    assert not allowlist.allows("10.2.0.1")
+    with pytest.raises(BackendSettingsError, match="ALLOWED_PREFILL_HOSTS"):
+        prefill_allowlist(
+            BackendSettings.from_env({"SPLITSERVE_SGLANG_ALLOWED_PREFILL_HOSTS": "a b"})
+        )

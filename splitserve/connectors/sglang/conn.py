@@ -66,6 +66,7 @@ from splitserve.connectors.sglang.transport import (
     check_supported,
     layout_layers_of_model_layers,
     open_transport,
+    prefill_allowlist,
 )
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.receiver import KVReceiver
@@ -460,6 +461,14 @@ class SplitserveKVReceiver(_TransferIdOfRoom, CommonKVReceiver):
             mgr._fail(transfer_id, f"splitserve: {len(targets)} prefill ranks, supports one")
             return
         info = targets[0]
+        allowlist = prefill_allowlist(mgr.settings)
+        if allowlist is not None and not allowlist.allows(str(info["rank_ip"])):
+            mgr._fail(
+                transfer_id,
+                f"splitserve: prefill side channel host {info['rank_ip']!r} is not allowed "
+                f"(SPLITSERVE_SGLANG_ALLOWED_PREFILL_HOSTS: {allowlist})",
+            )
+            return
         # SGLang's rank_ip / rank_port name P's side channel (its port is ours).
         if mgr.expect(
             transfer_id,

@@ -14,8 +14,15 @@ once per transfer with DONE. Memory is registered with its real kind: host memor
 
 Settings come from the server's environment (SGLang has no per-backend config):
 
-- ``SPLITSERVE_SGLANG_AUTH_KEY`` (none): shared secret; control messages carry an HMAC under it.
-- ``SPLITSERVE_SGLANG_LEASE_S`` (300): P holds a registration for a room it does not know yet,
+- The deployment key, as for the vLLM connector (docs/security.md): the file named by
+  ``SPLITSERVE_SGLANG_AUTH_KEY_FILE`` or ``SPLITSERVE_AUTH_KEY_FILE``, else
+  ``SPLITSERVE_AUTH_KEY``. P binds its side channel on SGLang's host address
+  (``SGLANG_HOST_IP``, else the host's own), so without a key it refuses to start unless that
+  address is loopback or ``SPLITSERVE_SGLANG_INSECURE=1``. P never advertises an unspecified
+  address (``0.0.0.0``): D could not reach it.
+- ``SPLITSERVE_SGLANG_ALLOWED_PREFILL_HOSTS`` (any): D contacts only prefill side channels on
+  these comma-separated addresses, CIDRs or host names.
+- ``SPLITSERVE_SGLANG_LEASE_S`` (300): P holds a registration for a transfer it does not know yet,
   and a finished request's pages waiting for one, this long.
 - ``SPLITSERVE_SGLANG_DONE_TIMEOUT_S`` (300): D fails a transfer whose DONE has not come this
   long after its registration.
@@ -27,6 +34,7 @@ Settings come from the server's environment (SGLang has no per-backend config):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -37,9 +45,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.auth import KEY_ENV, KEY_FILE_ENV, AuthKeyError, load_key
 from splitserve.transfer.layout import KVLayout, LayerLayout, MemoryKind
+from splitserve.transfer.peers import PeerAllowlist
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender
 from splitserve.transfer.side_channel import SideChannel
@@ -56,7 +65,9 @@ class BackendSettingsError(ValueError):
 class BackendSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    auth_key: str | None = None
+    auth_key_file: str | None = None
+    insecure: bool = False
+    allowed_prefill_hosts: str | None = None  # comma-separated addresses, CIDRs, host names
     lease_s: float = Field(300.0, gt=0)
     done_timeout_s: float = Field(300.0, gt=0)
     abort_ack_timeout_s: float = Field(5.0, gt=0)
@@ -170,6 +181,51 @@ def check_supported(args, server_args) -> None:
         )
 
 
+def side_channel_key(settings: BackendSettings, host: str, *, prefill: bool) -> bytes | None:
+    """The deployment key; a prefill side channel open to the network without one, or one
+    that would advertise an unspecified address, stops start-up with what to do."""
+    try:
+        key = load_key(settings.auth_key_file)
+    except AuthKeyError as exc:
+        raise BackendSettingsError(f"splitserve SGLang backend: {exc}") from None
+    if not prefill:
+        return key
+    address = _address(host)
+    if address is not None and address.is_unspecified:
+        raise BackendSettingsError(
+            f"splitserve SGLang backend: the prefill side channel would be advertised to D as "
+            f"{host!r}, which D cannot connect to; set SGLANG_HOST_IP to an address D reaches"
+        )
+    loopback = host == "localhost" or (address is not None and address.is_loopback)
+    if key is None and not loopback and not settings.insecure:
+        raise BackendSettingsError(
+            f"splitserve SGLang backend: the prefill side channel binds {host!r}, reachable "
+            "from the network, but no auth key is set: anyone who reaches it could read and "
+            f"steer KV transfers. Set {KEY_FILE_ENV} (a 0600 file; the same on every prefill "
+            f"and decode server) or {KEY_ENV}; on an isolated lab network only, "
+            f"{ENV_PREFIX}INSECURE=1"
+        )
+    return key
+
+
+def prefill_allowlist(settings: BackendSettings) -> PeerAllowlist | None:
+    """D's allowlist of prefill side channels (None: any)."""
+    if settings.allowed_prefill_hosts is None:
+        return None
+    entries = [e for e in settings.allowed_prefill_hosts.split(",") if e.strip()]
+    try:
+        return PeerAllowlist.parse(entries)
+    except ValueError as exc:
+        raise BackendSettingsError(f"{ENV_PREFIX}ALLOWED_PREFILL_HOSTS: {exc}") from None
+
+
+def _address(host: str):
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
 def agent_name(role: str) -> str:
     return f"splitserve-sglang-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -204,7 +260,7 @@ def open_transport(
         layout,
         backend_params=settings.ucx_params,
     )
-    key = messages.key_bytes(settings.auth_key)
+    key = side_channel_key(settings, host, prefill=prefill)
     if prefill:
         channel = SideChannel(host, 0, key, name="splitserve-sglang-sc")
         opened = Transport(
