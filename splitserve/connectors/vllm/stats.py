@@ -33,7 +33,14 @@ COUNTERS: dict[str, str] = {
     "lease_expiries": "Prefill-side requests freed because no registration came in the lease",
     "registrations_received": "Registrations received from decode servers (any outcome)",
     "registrations_rejected": "Registrations refused (unknown id, bad block ids, no HELLO)",
-    "messages_rejected": "Control messages rejected (bad HMAC, malformed, wrong version)",
+    "messages_rejected": "Control messages and side-channel connections refused (a failed "
+    "CurveZMQ handshake: no or another key; bad HMAC, malformed, oversized, wrong version)",
+    "transfers_stalled": "Prefill-side transfers failed because no post completed within the "
+    "lease (a transport gone silent); their posts were cancelled",
+    "reads_cancelled": "Decode-side READs of an ended load cancelled because they did not "
+    "settle within abort_ack_timeout_s",
+    "peers_dropped": "Side-channel connections this server opened and dropped: unreachable, "
+    "silent (heartbeats), key mismatch, or a peer that stopped reading",
     "loads_completed": "Decode-side loads completed",
     "loads_failed": "Decode-side loads failed (ABORT, timeout, prefill side lost)",
     "done_timeouts": "Decode-side loads that saw no DONE within done_timeout_s",

@@ -354,6 +354,11 @@ class SplitserveWorker:
             "loads_completed_on_first_token": r.completed_on_first_token,
             "layers_posted_in_forward": s.layers_posted_in_forward,
             "layers_posted_at_step_end": s.layers_posted_at_step_end,
+            "transfers_stalled": s.transfers_stalled,
+            "reads_cancelled": r.reads_cancelled,
+            "peers_dropped": sum(
+                n for kind, n in self.channel.stats.dropped_peers.items() if kind != "idle"
+            ),
         }
         data: dict[str, Any] = {}
         for name in COUNTERS:
