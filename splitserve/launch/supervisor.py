@@ -147,7 +147,7 @@ class Supervisor:
         self.starting[name] = self.clock()
         self.echo(
             f"restarted {name} (pid {server.process.pid}) on :{server.port}, restart "
-            f"{pending.attempt}; the proxy readmits it once its health checks pass"
+            f"{pending.attempt}"
         )
         return True
 
