@@ -236,22 +236,14 @@ def test_worker_stats_export_the_overlap_counters_as_deltas():
     """The overlap proof reaches vLLM's metrics: ``layers_posted_in_forward`` and
     ``layers_posted_at_step_end`` travel as deltas like every other counter."""
     from splitserve.connectors.vllm.stats import COUNTERS
+    from splitserve.transfer.incoming import ReceiverStats
     from splitserve.transfer.outgoing import SenderStats
+    from splitserve.transfer.side_channel import ChannelStats
 
     worker = make_worker()
     worker.sender.stats = SenderStats()
-    worker.receiver.stats = SimpleNamespace(
-        messages_rejected=0,
-        transfers_completed=0,
-        transfers_failed=0,
-        done_timeouts=0,
-        post_seconds=0.0,
-        reads_posted=0,
-        bytes_read=0,
-        completed_on_first_token=0,
-        handoffs_s=[],
-    )
-    worker.channel = SimpleNamespace(rejected=0, relayed=0)
+    worker.receiver.stats = ReceiverStats()
+    worker.channel = SimpleNamespace(rejected=0, relayed=0, stats=ChannelStats())
     assert {"layers_posted_in_forward", "layers_posted_at_step_end"} <= set(COUNTERS)
     assert worker.stats() is None
     worker.sender.stats.layers_posted_in_forward = 6
