@@ -11,6 +11,7 @@ import time
 import pytest
 
 from splitserve.config import DeploymentError, RestartSettings, parse_deployment
+from splitserve.launch.deployment import DeploymentRunner, plan_servers
 from splitserve.launch.group import ServerGroup
 from splitserve.launch.process import ManagedProcess, tail_lines
 from splitserve.launch.restart import (
@@ -244,3 +245,18 @@ def test_supervisor_with_policy_never_stops_at_the_first_exit(tmp_path) -> None:
         assert "the restart policy is 'never': giving up" in lines[-1]
     finally:
         group.stop()
+
+
+def test_a_restart_waits_for_every_port_of_the_child(tmp_path) -> None:
+    """HTTP and KV side channel of each engine server, and the proxy's port."""
+    data = _deployment()
+    data["connector"] = {"name": "splitserve"}
+    data["decode"]["side_channel_base_port"] = 9700
+    data["run_dir"] = str(tmp_path)
+    runner = DeploymentRunner(parse_deployment(data))
+    runner.planned = plan_servers(runner.dep, "/models/tiny")
+    assert runner.child_ports() == {
+        "prefill-0": [9100, 9600],
+        "decode-0": [9200, 9700],
+        "proxy": [9000],
+    }
