@@ -79,6 +79,12 @@ class Hello(_Message):
     agent_name: _AGENT_NAME
     agent_metadata: bytes = Field(max_length=MAX_METADATA_BYTES)
     layout: dict
+    target: str | None = Field(
+        None,
+        max_length=300,
+        description="the sender's address as the receiver dialled it (host:port): with the "
+        "agent name it makes the connection's routing id (``routing_id``)",
+    )
 
 
 class HelloAck(_Message):
@@ -267,11 +273,15 @@ def _first_error(exc: ValidationError) -> str:
     return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"[:300]
 
 
-def routing_id(agent_name: str) -> bytes:
-    """The ZMQ routing id of the connection a receiver opens as ``agent_name``: the sender binds
-    a HELLO to it (a ROUTER admits one live connection per id), so a connection can speak only
-    for the agent it was opened for. Never starts with a zero byte (ZMQ reserves those)."""
-    return b"ss:" + hashlib.sha256(agent_name.encode()).digest()[:16]
+def routing_id(agent_name: str, target: str | None = None) -> bytes:
+    """The ZMQ routing id of the connection a receiver opens as ``agent_name`` to the address
+    ``target`` (``host:port``, as the receiver names the sender): the sender binds a HELLO to
+    it (a ROUTER admits one live connection per id), so a connection speaks only for the agent
+    it was opened for, and a HELLO replayed on another connection is refused while the agent's
+    own is alive. One agent may reach one sender by several addresses (one id each). Never
+    starts with a zero byte (ZMQ reserves those)."""
+    text = agent_name if target is None else f"{agent_name}\0{target}"
+    return b"ss:" + hashlib.sha256(text.encode()).digest()[:16]
 
 
 def key_bytes(auth_key: str | None) -> bytes | None:

@@ -68,7 +68,7 @@ class KVReceiver:
         self.agent = agent
         self.channel = channel
         # Our connections speak for our agent only: the sender binds our HELLO to this id.
-        channel.dealer_identity = messages.routing_id(agent.name)
+        channel.agent_name = agent.name
         self.done_timeout_s = done_timeout_s
         self.abort_ack_timeout_s = abort_ack_timeout_s
         self.clock = clock
@@ -106,6 +106,7 @@ class KVReceiver:
                 agent_name=self.agent.name,
                 agent_metadata=self.agent.metadata(),
                 layout=self.agent.layout.model_dump(),
+                target=f"{host}:{int(port)}",
             )
             self.channel.send(peer, hello)
         return peer

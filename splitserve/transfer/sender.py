@@ -48,8 +48,8 @@ Invariants:
 - Every state has a deadline: a registration the lease, a pull's CLOSING the lease after DONE,
   and posts in flight (STREAMING, FLUSHING, CLOSING) the lease without a completion, after which
   they are cancelled and the transfer fails (``outgoing.stalled``).
-- A HELLO binds the connection it came on to its agent (``messages.routing_id``): only that
-  connection may register for the agent (docs/security.md).
+- A HELLO binds the connection it came on to its agent (``messages.routing_id``, from the
+  agent and the address it dialled): only that connection may register for the agent.
 
 Length: about 520 lines, over STYLE's ~500 by the two security rules above; the rest of the
 protocol is already split (records and checks in ``outgoing``, directions in ``send_*``).
@@ -432,7 +432,7 @@ class KVSender:
         # name (the ROUTER refuses a second live connection with the same id), so a HELLO
         # replayed on another connection cannot take over a live receiver's agent and make us
         # write into its blocks (docs/security.md).
-        if peer.inbound != messages.routing_id(hello.agent_name):
+        if peer.inbound != messages.routing_id(hello.agent_name, hello.target):
             self._refuse_hello(peer, hello, "the connection does not belong to this agent")
             return
         try:

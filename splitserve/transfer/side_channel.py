@@ -170,9 +170,10 @@ class SideChannel:
         # transfer id -> receiver a FIRST_TOKEN is forwarded to (set/cleared by the sender's
         # thread, read by the I/O thread: single dict operations, atomic under the GIL)
         self._first_token_routes: dict[str, PeerRef] = {}
-        # The routing id of the connections we open (a receiver sets its agent's: a sender
-        # binds HELLO to it). None: ZMQ picks a random one.
-        self.dealer_identity: bytes | None = None
+        # The agent our connections speak for (a receiver sets its own): each connection's
+        # routing id is derived from it and the address dialled (``messages.routing_id``), and
+        # the sender binds HELLO to it. None: ZMQ picks random ids.
+        self.agent_name: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=name, daemon=True)
         self._thread.start()
@@ -265,8 +266,9 @@ class SideChannel:
             self._common_options(sock)
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.connect_timeout_s * 1000))
-            if self.dealer_identity is not None:
-                sock.setsockopt(zmq.ROUTING_ID, self.dealer_identity)
+            if self.agent_name is not None:
+                identity = messages.routing_id(self.agent_name, f"{host}:{port}")
+                sock.setsockopt(zmq.ROUTING_ID, identity)
             if self._curve is not None:
                 self._curve.apply_client(sock)
             monitor = sock.get_monitor_socket(

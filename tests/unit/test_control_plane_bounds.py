@@ -226,3 +226,23 @@ def test_reads_of_an_ended_load_that_never_settle_are_cancelled_and_the_load_set
     assert not outcomes["t"].ok and "READ" in outcomes["t"].reason
     assert receiver.stats.reads_cancelled == 1
     assert getattr(agent.posted[1], "released", False)
+
+
+def test_one_agent_may_reach_a_sender_by_two_addresses() -> None:
+    """Each address an agent dials gets its own routing id (a sender named by host name and by
+    address is two connections, both served); a HELLO still binds to the one it names."""
+    from splitserve.transfer.side_channel import Inbound, PeerRef
+
+    sender, agent, channel, layout = _hello_sender()
+    targets = ("p0.pool:5600", "10.0.0.7:5600")
+    assert messages.routing_id("D1", targets[0]) != messages.routing_id("D1", targets[1])
+    for target in targets:
+        peer = PeerRef(inbound=messages.routing_id("D1", target))
+        hello = _hello("D1", layout).model_copy(update={"target": target})
+        channel.inbox.append(Inbound(peer, hello))
+    wrong = PeerRef(inbound=messages.routing_id("D1", targets[0]))
+    hello = _hello("D1", layout).model_copy(update={"target": targets[1]})
+    channel.inbox.append(Inbound(wrong, hello))  # names the other address: not its connection
+    sender.poll()
+    kinds = [type(m).__name__ for _, m in channel.sent]
+    assert kinds == ["HelloAck", "HelloAck", "Abort"]
