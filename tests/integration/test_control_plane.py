@@ -293,3 +293,99 @@ def test_a_prefill_server_with_another_key_fails_the_load_at_once_saying_key(pai
     assert elapsed < 5 + 10, f"a key mismatch took {elapsed:.1f} s to fail the load"
     log = servers.group.servers["ss-b"].process.log_path.read_text(errors="replace")
     assert "key mismatch" in log
+
+
+class _Relay:
+    """A TCP relay in front of P's side channel that can go silent without closing anything
+    (a partition: packets dropped, no FIN, no RST)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+
+        self.target_port = target_port
+        self.forwarding = threading.Event()
+        self.forwarding.set()
+        self.stop = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src, dst) -> None:
+        src.settimeout(0.2)
+        while not self.stop.is_set():
+            if not self.forwarding.is_set():
+                time.sleep(0.05)  # silent: read nothing, send nothing, close nothing
+                continue
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+def _flow_via(p, d, prompt, relay_port: int) -> dict:
+    """The concurrent flow with D told to reach P's side channel through the relay."""
+    (p_url, _), (d_url, _) = p, d
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", relay_port
+    )
+    with ThreadPoolExecutor(2) as pool:
+        p_answer = pool.submit(post, p_url, prefill)
+        d_answer = pool.submit(post, d_url, decode, 120)
+        assert "choices" in p_answer.result(), p_answer.result()
+        return d_answer.result()
+
+
+def test_a_silent_partition_fails_the_load_within_its_bound_and_recovers(pair):
+    """The side channel goes silent mid-deployment (no FIN, no RST): D's heartbeats go
+    unanswered, its connection is dropped within liveness_timeout_s (5 s), the load fails, both
+    sides' KV returns to 0 (P by its lease), and requests succeed once the network is back."""
+    p, d = pair["ss-a"], pair["ss-b"]
+    relay = _Relay(p[1])
+    try:
+        prompt = prompt_of(180, 5001)
+        assert_same(_flow_via(p, d, prompt, relay.port), reference(p[0], prompt), "via relay")
+        relay.forwarding.clear()
+        start = time.monotonic()
+        answer = _flow_via(p, d, prompt_of(180, 5002), relay.port)
+        elapsed = time.monotonic() - start
+        # liveness 5 s + D noticing + (recompute or error); generous for a loaded machine
+        assert elapsed < 60, f"the partitioned load took {elapsed:.0f} s to end"
+        assert "choices" in answer or "http_error" in answer
+        wait_kv_usage_zero(d[0])
+        wait_kv_usage_zero(p[0], bound=20 + 60)  # P frees by its lease (20 s in this pair)
+        relay.forwarding.set()
+        prompt = prompt_of(160, 5003)
+        assert_same(_flow_via(p, d, prompt, relay.port), reference(p[0], prompt), "healed")
+    finally:
+        relay.close()
