@@ -40,7 +40,7 @@ def _run(runner: DeploymentRunner, body: Callable[[], int], interrupted_rc: int)
     rc = 1
     try:
         rc = body()
-    except (ProcessStartError, PortInUseError, FileNotFoundError) as e:
+    except (ProcessStartError, PortInUseError, FileNotFoundError, DeploymentError) as e:
         click.echo(f"start-up failed: {e}", err=True)
     except KeyboardInterrupt:
         rc = interrupted_rc

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from pydantic import SecretStr
 
-from splitserve.config import Deployment, PoolSettings, proxy_config_for
+from splitserve.config import Deployment, DeploymentError, PoolSettings, proxy_config_for
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
 from splitserve.launch.secrets import DeploymentSecrets
@@ -230,6 +230,10 @@ class DeploymentRunner:
     def start(self) -> None:
         """Build the model, start servers and proxy, wait for all with progress output."""
         self.echo(f"run directory: {self.run_dir} (logs in {self.run_dir / 'logs'})")
+        # The proxy's client key is read now (an unreadable api_key_file fails here, not after
+        # the engines took minutes to load); with one, the proxy's /ready needs it too, so its
+        # readiness is probed on /health.
+        client_key = self._proxy_client_key()
         model = ensure_model(self.dep)
         self.echo(f"model: {model}")
         self.secrets = DeploymentSecrets.create(self.dep, self.run_dir)
@@ -264,10 +268,19 @@ class DeploymentRunner:
             [sys.executable, "-m", "splitserve.cli", "proxy", "--config", str(proxy_yaml)],
             port=proxy_port(self.dep),
             host=HOST,
-            ready_path="/ready",
+            ready_path="/health" if client_key else "/ready",
         )
         self.group.wait(60.0, names=["proxy"])
         self.echo(f"proxy ready: {self.url}")
+
+    def _proxy_client_key(self) -> bytes | None:
+        from splitserve.proxy.config import ConfigError
+
+        config = proxy_config_for(self.dep, [None] * self.dep.prefill.count, host=HOST)
+        try:
+            return config.client_key()
+        except ConfigError as exc:
+            raise DeploymentError(f"proxy: {exc}") from None
 
     def example_request(self) -> str:
         body = {
@@ -276,8 +289,13 @@ class DeploymentRunner:
             "max_tokens": 16,
             "temperature": 0,
         }
+        auth = ""
+        config = proxy_config_for(self.dep, [None] * self.dep.prefill.count, host=HOST)
+        if config.api_key is not None or config.api_key_file is not None:
+            source = config.api_key_file or "<your proxy api_key>"
+            auth = f'-H "Authorization: Bearer $(cat {source})" '
         return (
-            f"curl -s {self.url}/v1/completions -H 'Content-Type: application/json' "
+            f"curl -s {self.url}/v1/completions -H 'Content-Type: application/json' {auth}"
             f"-d '{json.dumps(body)}'"
         )
 

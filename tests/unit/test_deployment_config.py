@@ -138,3 +138,22 @@ def test_stock_connector_settings_reach_its_extra_config_and_the_lease_is_checke
             parse_deployment(
                 _minimal(connector={"name": "nixl", "settings": {"kv_lease_duration": bad}})
             )
+
+
+def test_up_reads_the_proxy_key_before_starting_anything(tmp_path) -> None:
+    """An unreadable api_key_file fails `up` at once (not after the engines loaded); with a
+    readable one the proxy is probed on /health (its /ready needs the key) and the example
+    request carries the key."""
+    from splitserve.config import DeploymentError, parse_deployment
+    from splitserve.launch.deployment import DeploymentRunner
+
+    data = _minimal(run_dir=str(tmp_path / "run"))
+    data["proxy"]["api_key_file"] = str(tmp_path / "missing")
+    runner = DeploymentRunner(parse_deployment(data, "dep.yaml"), echo=lambda _: None)
+    with pytest.raises(DeploymentError, match="api_key_file"):
+        runner.start()
+    (tmp_path / "key").write_text("k" * 20)
+    data["proxy"]["api_key_file"] = str(tmp_path / "key")
+    runner = DeploymentRunner(parse_deployment(data, "dep.yaml"), echo=lambda _: None)
+    assert runner._proxy_client_key() == b"k" * 20
+    assert "Authorization: Bearer" in runner.example_request()
