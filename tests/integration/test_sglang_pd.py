@@ -1,7 +1,8 @@
 """A real SGLang PD pair on CPU behind our proxy (``splitserve proxy --engine sglang``) and behind
 ``sglang_router``: greedy tokens equal a single SGLang server's for prompts shorter than, equal to
 and longer than the chunk (so prefill chunks), concurrent requests and a repeated prompt (a
-radix-cache hit on the prefill side).
+radix-cache hit on the prefill side); the prefill server posts every layer during its forward
+(the layer-wise hook fired), read from the totals its backend logs per transfer.
 
 The pair (the shared ``sglang_pd`` fixture, tests/integration/conftest.py) runs splitserve's own
 transfer backend (``--disaggregation-transfer-backend splitserve``, docs/sglang.md); SGLang's
@@ -11,6 +12,7 @@ transfer backend (``--disaggregation-transfer-backend splitserve``, docs/sglang.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.error
@@ -116,3 +118,40 @@ def test_concurrent_and_repeated_prompts(fronts, front):
     assert got == expected
     # The same prompt again: the prefill server's radix cache now holds it.
     assert ask(front, url, prompts[0]) == expected[0]
+
+
+# P's backend logs its sender's totals with every transfer it completed (SGLang has no metrics
+# hook for a transfer backend): splitserve.connectors.sglang.conn.
+SENT = re.compile(
+    r"splitserve: transfer \S+ sent \(totals: .*layers_posted_in_forward=(\d+) "
+    r"layers_posted_at_step_end=(\d+)\)"
+)
+
+
+def overlap_totals(log) -> tuple[int, int, int]:
+    """(transfers logged as sent, layers posted in the forward, layers posted at step end)."""
+    found = SENT.findall(log.read_text(errors="replace"))
+    if not found:
+        return 0, 0, 0
+    in_forward, at_step_end = found[-1]
+    return len(found), int(in_forward), int(at_step_end)
+
+
+def test_layers_are_posted_during_the_forward(fronts, servers, tiny_model):
+    """The overlap proof on a real SGLang pair: a prompt of several chunks has P post every
+    layer from the ``set_kv_buffer`` hook while its forward runs (``layers_posted_in_forward``
+    rises by at least the model's layer count) and none after it (``layers_posted_at_step_end``
+    stays). Were the hook to stop firing (SGLang renaming what we hook), the tokens would still
+    match, each chunk going out after its forward in bulk: this fails then."""
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    _, proxy, _ = fronts
+    log = servers.group.log_dir / "sglang-pd-prefill.log"
+    sent, in_forward, at_step_end = overlap_totals(log)
+    completion_text(proxy, prompt_of(3 * CHUNK + 5, 900))
+    end = time.monotonic() + 60
+    while overlap_totals(log)[0] <= sent:
+        assert time.monotonic() < end, "P logged no completed transfer"
+        time.sleep(0.2)
+    _, after_in_forward, after_at_step_end = overlap_totals(log)
+    assert after_in_forward >= in_forward + layers, "layers not posted in the forward"
+    assert after_at_step_end == at_step_end, "layers posted after the forward"
