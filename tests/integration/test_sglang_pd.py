@@ -146,12 +146,16 @@ def test_layers_are_posted_during_the_forward(fronts, servers, tiny_model):
     layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
     _, proxy, _ = fronts
     log = servers.group.log_dir / "sglang-pd-prefill.log"
-    sent, in_forward, at_step_end = overlap_totals(log)
-    completion_text(proxy, prompt_of(3 * CHUNK + 5, 900))
-    end = time.monotonic() + 60
-    while overlap_totals(log)[0] <= sent:
-        assert time.monotonic() < end, "P logged no completed transfer"
-        time.sleep(0.2)
-    _, after_in_forward, after_at_step_end = overlap_totals(log)
-    assert after_in_forward >= in_forward + layers, "layers not posted in the forward"
-    assert after_at_step_end == at_step_end, "layers posted after the forward"
+    prompt = prompt_of(3 * CHUNK + 5, 900)
+    # Then the same prompt again: a radix hit on P, whose cached prefix SGLang sends from
+    # inside the forward's run_batch (that send must not close the forward's layer-wise step).
+    for what in ("new prompt", "radix hit"):
+        sent, in_forward, at_step_end = overlap_totals(log)
+        completion_text(proxy, prompt)
+        end = time.monotonic() + 60
+        while overlap_totals(log)[0] <= sent:
+            assert time.monotonic() < end, f"{what}: P logged no completed transfer"
+            time.sleep(0.2)
+        _, after_in_forward, after_at_step_end = overlap_totals(log)
+        assert after_in_forward >= in_forward + layers, f"{what}: not posted in the forward"
+        assert after_at_step_end == at_step_end, f"{what}: layers posted after the forward"

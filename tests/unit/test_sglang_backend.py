@@ -160,7 +160,7 @@ def _manager():
     mgr = conn.SplitserveKVManager.__new__(conn.SplitserveKVManager)
     mgr.lock = threading.RLock()
     mgr.sender, mgr.receiver = _Sender(), None
-    mgr.transfers, mgr.layers_hooked = {}, 0
+    mgr.transfers, mgr.layers_hooked, mgr.forward_open = {}, 0, False
     mgr.kv_args = SimpleNamespace(page_size=4)
     mgr.request_status, mgr.req_to_decode_prefix_len, mgr.failures = {}, {}, {}
     mgr.update_status = mgr.request_status.__setitem__
@@ -245,3 +245,20 @@ def test_decode_allowlist_of_prefill_hosts() -> None:
         prefill_allowlist(
             BackendSettings.from_env({"SPLITSERVE_SGLANG_ALLOWED_PREFILL_HOSTS": "a b"})
         )
+
+
+def test_an_early_send_inside_the_forward_leaves_the_layer_wise_step_open():
+    """SGLang sends a cached prefix from inside ``run_batch``, after ``begin_forward`` opened the
+    layer-wise step: a step of its own would close the forward's (its layers then posted only
+    after it); the pages join the page table and the open step posts them."""
+    conn, mgr, poll = _manager()
+    room, transfer_id = 21, "21"
+    mgr.start_request(transfer_id, num_pages=3, aux_index=None)
+    mgr.forward_open = True
+    mgr.add_transfer_request(room, [5, 6], slice(0, 2), is_last_chunk=False)
+    assert not [call for call in mgr.sender.calls if call[0] == "step"]
+    assert mgr.transfers[transfer_id].pages == [5, 6]
+    mgr.forward_open = False
+    mgr.add_transfer_request(room, [7], slice(2, 3), is_last_chunk=True)
+    assert ("step", [(transfer_id, [5, 6, 7])]) in mgr.sender.calls
+    assert ("finish", transfer_id) in mgr.sender.calls

@@ -23,11 +23,8 @@ these classes through ``--disaggregation-transfer-backend splitserve`` (register
   of its WRITEs is in flight.
 
 Ids: SGLang's ``bootstrap_room`` (an int) becomes our ``transfer_id`` with ``str()`` once, where
-SGLang calls us (the API edge: ``check_status``, ``add_transfer_request``, the forward hook and
-the sender/receiver objects' ``transfer_id``); ``_room`` turns it back only to call SGLang's own
-bookkeeping (``update_status``, ``record_failure``, ``request_status``,
-``req_to_decode_prefix_len``). P's state is one ``_Transfer`` record per transfer id with a
-``Phase``; a failure goes through ``_fail``.
+SGLang calls us; ``_room`` turns it back only to call SGLang's own bookkeeping. P's state is one
+``_Transfer`` record per transfer id with a ``Phase``; every failure goes through ``_fail``.
 
 Stats: SGLang has no metrics hook for a backend, so P logs its sender's totals with every
 completed transfer ("splitserve: transfer ... sent (totals: ...)"), the overlap proof
@@ -285,8 +282,12 @@ class SplitserveKVManager(CommonKVManager):
             else (transfer.first_page + len(transfer.pages)) * self.kv_args.page_size
         )
         with self.lock:
-            self.sender.begin_step([StepUpdate(transfer_id, transfer.page_table(), computed)])
-            self.sender.end_step()
+            if not self.forward_open:
+                self.sender.begin_step([StepUpdate(transfer_id, transfer.page_table(), computed)])
+                self.sender.end_step()
+            # else: SGLang's early send of a cached prefix, from inside ``run_batch``: the open
+            # layer-wise step (page table from page 0) posts those pages; a step of its own
+            # would close the forward's. The next ``send`` catches up on anything left.
             if is_last_chunk:
                 self.sender.finish_request(transfer_id)
         self._set_status(transfer_id, KVPoll.Transferring)
