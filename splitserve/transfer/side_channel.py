@@ -248,6 +248,9 @@ class SideChannel:
     def _open_router(self, host: str, port: int | None) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         self._common_options(router)
+        # A receiver that reconnects (after a partition, before our side noticed the old
+        # connection is dead) takes its routing id over instead of being refused until then.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._curve is not None:
             self._authenticator = start_authenticator(self._ctx, self._curve, self._peer_log)
             self._curve.apply_server(router)

@@ -16,6 +16,7 @@ sets ``"direction": "push"``.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import urllib.error
@@ -365,9 +366,15 @@ def test_push_prefill_server(pair, servers, tiny_model):
 # -- dead peers (run last: they stop processes) --------------------------------------------------
 
 FAKE_PREFILL = """
-import sys, zmq
+import os, sys, zmq, zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from splitserve.transfer.auth import CurveKeys
 ctx = zmq.Context()
+auth = ThreadAuthenticator(ctx)
+auth.start()
+auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
 sock = ctx.socket(zmq.ROUTER)
+CurveKeys.derive(os.environ["FAKE_KEY"].encode()).apply_server(sock)  # a keyed peer
 sock.bind("tcp://127.0.0.1:" + sys.argv[1])
 while True:
     frames = sock.recv_multipart()
@@ -384,7 +391,10 @@ def test_prefill_killed_before_done_fails_the_decode_request_fast(pair):
     (b_url, _) = pair["ss-b"]
     port = free_ports(1)[0]
     fake = subprocess.Popen(
-        [sys.executable, "-c", FAKE_PREFILL, str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", FAKE_PREFILL, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "FAKE_KEY": pair.auth_key},
     )
     try:
         prompt = prompt_of(300, 1000)

@@ -340,6 +340,8 @@ class _Relay:
                 break
             if not data:
                 break
+            while not self.forwarding.is_set() and not self.stop.is_set():
+                time.sleep(0.05)  # paused mid-read: hold the bytes, as TCP would retransmit
             try:
                 dst.sendall(data)
             except OSError:

@@ -144,30 +144,31 @@ def test_only_the_registrant_withdraws_an_early_registration() -> None:
     assert sender.registration_of("t") is not None, "another peer's ABORT withdrew it"
 
 
-def test_the_router_refuses_a_second_live_connection_with_the_same_routing_id() -> None:
-    """What the HELLO binding rests on: real ZMQ, two DEALERs with D1's routing id."""
+def test_a_reconnecting_receiver_takes_its_routing_id_over() -> None:
+    """Real ZMQ, our side channel's ROUTER: a second connection with D1's routing id (D1 back
+    after a partition, before P noticed the old one died) is served, not refused."""
     import time
 
     import zmq
 
+    from splitserve.transfer.side_channel import SideChannel
+
+    p = SideChannel("127.0.0.1", 0, None, name="test-p")
     ctx = zmq.Context()
     try:
-        router = ctx.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        socks = []
-        for text in (b"first", b"second"):
+        for text in (b"\x00first", b"\x00second"):
             dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.ROUTING_ID, messages.routing_id("D1"))
-            dealer.connect(f"tcp://127.0.0.1:{port}")
+            dealer.setsockopt(zmq.ROUTING_ID, messages.routing_id("D1", "p:1"))
+            dealer.connect(f"tcp://127.0.0.1:{p.bound_port}")
             dealer.send(text)
-            socks.append(dealer)
-            time.sleep(0.2)
-        got = []
-        while router.poll(500):
-            got.append(router.recv_multipart()[1])
-        assert got == [b"first"]
+            time.sleep(0.3)
+        end = time.monotonic() + 5
+        while p.stats.rejected < 2 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert p.stats.rejected == 2, "the second connection's message never arrived"
     finally:
         ctx.destroy(0)
+        p.close()
 
 
 # -- deadlines: no state waits forever for a transport gone silent ------------------------------
