@@ -6,8 +6,10 @@ pull (P ANNOUNCEs, D READs; the default on host memory over UCX's ``cma``). Noth
 vLLM or SGLang; the engine adapters (``splitserve.connectors.*``) drive it.
 
 - ``messages``: every control message, typed, versioned, HMAC'd when an auth key is set.
-- ``auth``: the side channel's keys and peer checks.
-- ``peers``: which prefill hosts a decode side accepts.
+- ``auth``: the deployment key (where it is read from), the CurveZMQ key pairs derived from it
+  and the check that admits only key holders (docs/security.md).
+- ``peers``: which prefill hosts a decode side may contact (``allowed_prefill_hosts``).
+- ``peering``: which receiver a sender's connection speaks for (HELLO admission).
 - ``layout``: where each (layer, block) lives in memory; validation of block ids.
 - ``agent``: the NIXL agent (registration, prepared descriptor lists, WRITE/READ posting,
   ``settle`` of posted transfers, peers' layouts).

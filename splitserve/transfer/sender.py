@@ -48,11 +48,7 @@ Invariants:
 - Every state has a deadline: a registration the lease, a pull's CLOSING the lease after DONE,
   and posts in flight (STREAMING, FLUSHING, CLOSING) the lease without a completion, after which
   they are cancelled and the transfer fails (``outgoing.stalled``).
-- A HELLO binds the connection it came on to its agent (``messages.routing_id``, from the
-  agent and the address it dialled): only that connection may register for the agent.
-
-Length: about 520 lines, over STYLE's ~500 by the two security rules above; the rest of the
-protocol is already split (records and checks in ``outgoing``, directions in ``send_*``).
+- Only a connection admitted for an agent (``peering.PeerAdmission``) may register for it.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ from dataclasses import dataclass
 
 from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
-from splitserve.transfer.auth import PeerLog
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.outgoing import (
     Outgoing,
@@ -76,6 +71,7 @@ from splitserve.transfer.outgoing import (
     registration_problem,
     stalled,
 )
+from splitserve.transfer.peering import PeerAdmission
 from splitserve.transfer.send_pull import PullSending
 from splitserve.transfer.send_push import PushSending
 from splitserve.transfer.side_channel import PeerRef, SideChannel
@@ -124,8 +120,9 @@ class KVSender:
         self._transfers: dict[str, Outgoing] = {}
         self._orphans: dict[str, _Orphan] = {}
         self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
-        self._peer_agents: dict[bytes, str] = {}  # ROUTER identity -> agent name
-        self._peer_log = PeerLog(logger)
+        self.peers = PeerAdmission(
+            agent, channel, self.strategy.hello_ack, self._count_refused_hello
+        )
         self._in_step: list[Outgoing] = []
         self._layers_seen: set[int] = set()
         self._stepping = False
@@ -381,13 +378,6 @@ class KVSender:
         out.handles = self.agent.abandon(out.handles)
         out.stall_mark = now if out.handles else None
 
-    def _refuse_hello(self, peer: PeerRef, hello: messages.Hello, reason: str) -> None:
-        self.stats.registrations_rejected += 1
-        self._peer_log.warn(
-            str(peer), "hello", "refusing HELLO from %s (%s): %s", peer, hello.agent_name, reason
-        )
-        self.channel.send(peer, messages.Abort(transfer_id="*", reason=f"hello: {reason}"))
-
     def _fail(self, out: Outgoing, reason: str) -> None:
         if not out.record.state.terminal:
             out.record.transition(S.FAILED, reason)
@@ -405,6 +395,9 @@ class KVSender:
             reason = f"{out.record.state.value}: {out.record.reason}"
             self.channel.send(out.peer, messages.Abort(transfer_id=transfer_id, reason=reason))
 
+    def _count_refused_hello(self) -> None:
+        self.stats.registrations_rejected += 1
+
     def _refuse(self, peer: PeerRef, transfer_id: str, reason: str) -> None:
         self.stats.registrations_rejected += 1
         logger.warning("refusing registration %s from %s: %s", transfer_id, peer, reason)
@@ -416,7 +409,7 @@ class KVSender:
         for event in self.channel.receive_bound():
             message, peer = event.message, event.peer
             if isinstance(message, messages.Hello):
-                self._on_hello(peer, message)
+                self.peers.on_hello(peer, message)
             elif isinstance(message, messages.Register):
                 self.stats.registrations_received += 1
                 self._on_register(peer, message)
@@ -427,30 +420,9 @@ class KVSender:
             else:
                 logger.warning("sender: unexpected %s from %s", message.type, peer)
 
-    def _on_hello(self, peer: PeerRef, hello: messages.Hello) -> None:
-        # A connection speaks for one agent: its ZMQ routing id is derived from the agent's
-        # name (the ROUTER refuses a second live connection with the same id), so a HELLO
-        # replayed on another connection cannot take over a live receiver's agent and make us
-        # write into its blocks (docs/security.md).
-        if peer.inbound != messages.routing_id(hello.agent_name, hello.target):
-            self._refuse_hello(peer, hello, "the connection does not belong to this agent")
-            return
-        try:
-            layout = KVLayout.model_validate(hello.layout)
-            name = self.agent.add_peer(hello.agent_metadata, layout)
-        except Exception as exc:  # bad metadata or layout: refuse this peer, keep serving
-            self._refuse_hello(peer, hello, str(exc)[:300])
-            return
-        if name != hello.agent_name:
-            self._refuse_hello(peer, hello, f"its metadata names agent {name[:128]!r}")
-            return
-        assert peer.inbound is not None
-        self._peer_agents[peer.inbound] = name
-        self.channel.send(peer, self.strategy.hello_ack())
-
     def _on_register(self, peer: PeerRef, reg: messages.Register) -> None:
         transfer_id = reg.transfer_id
-        agent_name = self._peer_agents.get(peer.inbound or b"")
+        agent_name = self.peers.agent_of(peer)
         if agent_name is None or agent_name != reg.agent_name:
             self._refuse(peer, transfer_id, "registration before a valid HELLO")
             return

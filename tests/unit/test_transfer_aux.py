@@ -47,7 +47,7 @@ def make_sender():
     clock = itertools.count().__next__
     agent, channel = FakeAgent(LAYOUT), FakeChannel()
     sender = KVSender(agent, channel, lease_s=10.0, clock=lambda: float(clock()))
-    sender._peer_agents[PEER.inbound] = "D"
+    sender.peers.admit(PEER, "D")
     return sender, agent, channel
 
 

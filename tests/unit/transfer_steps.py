@@ -36,7 +36,7 @@ def make_sender(lease_s=10.0, direction=Direction.PUSH):
     channel.inbox.append(
         Inbound(PEER, messages.Hello(agent_name="D", agent_metadata=b"m", layout={}))
     )
-    sender._on_hello = lambda peer, hello: sender._peer_agents.__setitem__(peer.inbound, "D")
+    sender.peers.on_hello = lambda peer, hello: sender.peers.admit(peer, "D")
     return sender, agent, channel
 
 
