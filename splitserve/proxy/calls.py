@@ -11,6 +11,17 @@ Invariants:
   on every exit (``enter`` / ``leave``).
 - A failed connect ejects the server at once (the health tracker decides); only a failure that
   happened before anything reached the client is ever a ``RetryElsewhere``, and a 4xx never is.
+- Every request's outcome reaches the health tracker (outlier detection): a 5xx, a timeout or
+  a broken connection is a failure (``map_error`` / ``status_seen``), an answer read whole or a
+  4xx a success; a request cancelled (the client left, the other leg failed) is neither.
+- Retry rule (docs/proxy.md, "Faults"): D's request, the generation the client sees, goes to
+  another server only when D cannot have read it (the connect failed; the upstream client
+  itself re-sends only on a pooled connection found closed before writing). P's one-token
+  prefill request is retried on another pair after any failure before the client got a byte,
+  a connection dropped after the request was written included: it is idempotent by
+  construction (its token is the client's only once P answered, D's request of that attempt
+  is cancelled first, the retry has a new transfer id, and the KV P may hold under the old one
+  is freed by D's ABORT or P's lease).
 - ``PeerWatch``: while one leg's request is opened in the handler's task, the other leg runs as
   a task with the watch as its done-callback; the other leg's failure interrupts this one's wait
   at once (``PeerFailed``) without a task or a wait of its own.
@@ -151,9 +162,27 @@ class UpstreamCalls:
 
     # ------------------------------------------------------------------ failures
 
+    def status_seen(self, b: Backend, status: int) -> None:
+        """``b`` answered ``status``: a 5xx is a failed request, anything else shows it alive."""
+        if status >= 500:
+            self.tracker.request_failed(b, f"answered {status}")
+        else:
+            self.tracker.request_succeeded(b)
+
+    def succeeded(self, b: Backend) -> None:
+        """``b``'s answer was read whole (a stream to its end)."""
+        self.tracker.request_succeeded(b)
+
     def map_error(self, e: BaseException, b: Backend, what: str) -> UpstreamError:
         """A timeout or socket failure of server ``b`` while waiting for ``what``, as the
-        ``ProxyError`` the client gets (a failed connect also goes to the health tracker)."""
+        ``ProxyError`` the client gets; the health tracker hears of it (a failed connect may
+        eject at once, anything else counts towards outlier ejection)."""
+        error = self._mapped(e, b, what)
+        if not error.connect_failed:
+            self.tracker.request_failed(b, error.message)
+        return error
+
+    def _mapped(self, e: BaseException, b: Backend, what: str) -> UpstreamError:
         where = f"{b.pool} server {b.url}"
         if isinstance(e, UpstreamConnectError) and e.timed_out:
             self.tracker.connect_failed(b, f"connect timeout: {e}")
@@ -216,19 +245,23 @@ class UpstreamCalls:
             except (TimeoutError, OSError) as e:
                 raise self.map_error(e, p, "the prefill answer") from None
             if status != 200:
+                self.status_seen(p, status)
                 raise UpstreamStatus(status, raw, pool=p.pool, server=p.url)
             try:
                 answer = jsonio.loads(raw)
             except (ValueError, RecursionError):
+                self.tracker.request_failed(p, "invalid JSON")
                 raise UpstreamError(
                     f"prefill server {p.url} answered invalid JSON", pool=p.pool, server=p.url
                 ) from None
             if not isinstance(answer, dict):
+                self.tracker.request_failed(p, "not a JSON object")
                 raise UpstreamError(
                     f"prefill server {p.url} answered {type(answer).__name__}",
                     pool=p.pool,
                     server=p.url,
                 )
+            self.tracker.request_succeeded(p)
             elapsed = loop.time() - t0
             self.metrics.prefill.observe(elapsed)
             self.metrics.of(self.metrics.upstream, *p.labels).observe(elapsed)
@@ -266,7 +299,9 @@ class UpstreamCalls:
         resp = await self.client.post(d.url, path, jsonio.dumps(payload), until, on_response)
         try:
             if resp.status != 200 or not stream:
-                return resp, await resp.read()
+                raw = await resp.read()
+                self.status_seen(d, resp.status)
+                return resp, raw
             return resp, await resp.readany()
         except BaseException:
             resp.close()

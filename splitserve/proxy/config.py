@@ -10,7 +10,6 @@ loopback has a client key unless ``insecure`` says otherwise (docs/security.md).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +18,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic import model_validator as _model_validator
+
+from splitserve.netutil import is_loopback
 
 Engine = Literal["vllm", "sglang"]
 Flow = Literal["concurrent", "sequential"]
@@ -91,6 +92,11 @@ class RoutingSettings(_Strict):
         False, description="Prefill pool: pick P by a consistent hash of the prompt's head."
     )
     prefix_chars: int = Field(256, ge=1, description="How much of the prompt the hash covers.")
+    panic_threshold: float = Field(
+        0.5, ge=0.0, le=1.0, description="When fewer than this fraction of a pool's servers are "
+        "in rotation, route to every server not known to be down as well (Envoy's panic "
+        "threshold); 0 turns it off (an empty pool answers 503).",
+    )  # fmt: skip
 
 
 class TimeoutSettings(_Strict):
@@ -112,11 +118,37 @@ class HealthSettings(_Strict):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(5.0, gt=0, description="SGLang's /health runs a generation.")
     path: str = "/health"
-    failures_to_eject: int = Field(2, ge=1)
+    failures_to_eject: int = Field(
+        2, ge=1, description="Failed checks in a row (refused, error status) that eject."
+    )
+    timeouts_to_eject: int = Field(
+        3, ge=1, description="Checks in a row that time out before a server is ejected (a busy "
+        "server answers late); a request to it that succeeds restarts the count.",
+    )  # fmt: skip
     successes_to_readmit: int = Field(1, ge=1)
     eject_on_connect_error: bool = Field(
         True, description="Eject a server at once when a request cannot connect to it."
     )
+
+
+class OutlierSettings(_Strict):
+    """Ejection from real request outcomes (Envoy's outlier detection): docs/proxy.md, "Faults"."""
+
+    enabled: bool = True
+    consecutive_failures: int = Field(
+        5, ge=1, description="Requests in a row that fail (5xx, timeout, broken connection) "
+        "before the server is ejected.",
+    )  # fmt: skip
+    base_ejection_s: float = Field(
+        10.0, gt=0, description="First ejection's length; the n-th in a row lasts n times it."
+    )
+    max_ejection_s: float = Field(300.0, gt=0, description="Longest ejection.")
+
+    @_model_validator(mode="after")
+    def _check_bounds(self) -> OutlierSettings:
+        if self.max_ejection_s < self.base_ejection_s:
+            raise ValueError("max_ejection_s: must be at least base_ejection_s")
+        return self
 
 
 class ClientTimeouts(_Strict):
@@ -136,15 +168,6 @@ class ClientTimeouts(_Strict):
     )  # fmt: skip
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name other than localhost, or "" (every address)
-
-
 class ProxyConfig(_Strict):
     """Everything ``splitserve proxy`` needs."""
 
@@ -162,6 +185,7 @@ class ProxyConfig(_Strict):
     timeouts: TimeoutSettings = TimeoutSettings()
     retries: RetrySettings = RetrySettings()
     health: HealthSettings = HealthSettings()
+    outlier: OutlierSettings = OutlierSettings()
     api_key: SecretStr | None = Field(None, description="Clients must send 'Bearer <api_key>'.")
     api_key_file: str | None = Field(
         None, description="A file holding api_key (read at start-up; '~' expanded), so that no "
@@ -230,7 +254,7 @@ class ProxyConfig(_Strict):
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("api_key_file: give api_key or api_key_file, not both")
         keyless = self.api_key is None and self.api_key_file is None
-        if keyless and not self.insecure and not _is_loopback(self.host):
+        if keyless and not self.insecure and not is_loopback(self.host):
             raise ValueError(
                 f"host: {self.host or '(every address)'} opens the proxy to the network "
                 "without a key: set api_key_file (or SPLITSERVE_PROXY_API_KEY for `splitserve "

@@ -55,8 +55,15 @@ class ProxyMetrics:
             ["reason"], registry=r,
         )  # fmt: skip
         self.ejections = Counter(
-            "splitserve_proxy_ejections", "Servers taken out of rotation", ["pool", "server"],
-            registry=r,
+            "splitserve_proxy_ejections",
+            "Servers taken out of rotation, by reason (health_check, health_timeout, "
+            "connect_error, outlier)",
+            ["pool", "server", "reason"], registry=r,
+        )  # fmt: skip
+        self.panic_routes = Counter(
+            "splitserve_proxy_panic_routes",
+            "Requests routed to an ejected server because too few of its pool were in rotation",
+            ["pool"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(
             "splitserve_proxy_in_flight", "Requests in flight per upstream server",

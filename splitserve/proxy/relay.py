@@ -62,6 +62,7 @@ async def pipe(
             await out.write(rest)
     if clean:
         resp.release()
+        calls.succeeded(d)
     calls.metrics.of(calls.metrics.upstream, *d.labels).observe(calls.loop.time() - t0)
     await out.write_eof()
     return clean

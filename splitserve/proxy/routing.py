@@ -4,8 +4,20 @@ Runs in the proxy process, on its event loop (no locks: every change happens on 
 Policies: round-robin, least-outstanding, power-of-two-choices, and, for the prefill pool,
 prefix affinity (a consistent hash of the prompt's head, so requests sharing a head reach the
 same P and hit its prefix cache; when that P is out, the ring's next server takes over and only
-its share of keys moves). Invariants: a pick only ever returns a healthy server of the configured
-pool that the caller did not exclude; no healthy candidate raises ``NoHealthyServer`` at once.
+its share of keys moves).
+
+Which servers a pick may return (the health tracker, ``health.py``, decides every ejection; this
+module only reads its state):
+- servers in rotation (``healthy``);
+- a server whose outlier ejection has run out (half-open): one request probes it (the pick marks
+  it, ``probe_at``), and the tracker readmits or re-ejects it on that request's outcome;
+- panic (Envoy's panic threshold): while fewer than ``panic_threshold`` of the pool's servers are
+  in rotation, also every server ejected for a soft reason (``SOFT_EJECTIONS``: slow health
+  checks, request failures), since a busy server is not a dead one; never a server that refused
+  a connection or answered its health check with an error.
+
+Invariants: a pick only ever returns a server of the configured pool that the caller did not
+exclude; no candidate raises ``NoHealthyServer`` at once.
 """
 
 from __future__ import annotations
@@ -14,12 +26,24 @@ import bisect
 import hashlib
 import itertools
 import json
+import logging
 import random
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from splitserve.proxy.errors import NoHealthyServer
+
+logger = logging.getLogger(__name__)
+
+# Ejection reasons (``Backend.ejected_by``, the ``reason`` label of the ejection metric).
+HEALTH_CHECK = "health_check"  # the check failed: refused, broken, or an error status
+HEALTH_TIMEOUT = "health_timeout"  # the check timed out ``timeouts_to_eject`` times in a row
+CONNECT_ERROR = "connect_error"  # a request could not connect
+OUTLIER = "outlier"  # requests failed in a row (5xx, timeouts, broken connections)
+# Ejected for a reason a busy server also shows: still routed to in a panic.
+SOFT_EJECTIONS = frozenset({HEALTH_TIMEOUT, OUTLIER})
 
 
 @dataclass(eq=False)
@@ -35,10 +59,26 @@ class Backend:
     consecutive_successes: int = 0
     ejections: int = 0
     last_error: str | None = None
+    ejected_by: str | None = None  # why it is out of rotation (None while in rotation)
+    degraded: bool = False  # its last health check timed out (shown in /ready)
+    health_timeouts: int = 0  # health checks in a row that timed out
+    request_failures: int = 0  # real requests in a row that failed
+    outlier_streak: int = 0  # outlier ejections in a row (the n-th lasts n * base)
+    ejected_until: float = 0.0  # monotonic time an outlier ejection ends (then: half-open)
+    probation: bool = False  # readmitted after an outlier ejection: one failure re-ejects
+    probe_at: float = 0.0  # monotonic time the last half-open probe was sent
     labels: tuple[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.labels = (self.pool, self.url)
+
+    def half_open(self, now: float) -> bool:
+        """Outlier-ejected, its ejection over, and no probe sent since: one request may try it."""
+        return (
+            self.ejected_by == OUTLIER
+            and now >= self.ejected_until
+            and self.probe_at < self.ejected_until
+        )
 
 
 class Policy(Protocol):
@@ -126,31 +166,89 @@ class Pool:
     """The servers of one role and the policy that picks among the healthy ones."""
 
     def __init__(
-        self, name: str, backends: Sequence[Backend], policy: str, prefix_affinity: bool = False
+        self,
+        name: str,
+        backends: Sequence[Backend],
+        policy: str,
+        prefix_affinity: bool = False,
+        panic_threshold: float = 0.0,
+        on_panic: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``panic_threshold``: below this fraction of servers in rotation, soft-ejected servers
+        are candidates too (0: never); ``on_panic(pool)`` is called for each such pick."""
         if not backends:
             raise ValueError(f"pool {name!r} has no servers")
         self.name = name
         self.backends = list(backends)
         self.policy: Policy = POLICIES[policy]()
         self.ring = HashRing(self.backends) if prefix_affinity else None
+        self.panic_threshold = panic_threshold
+        self.on_panic = on_panic
+        self.clock = clock
+        self.in_panic = False
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
     def pick(self, affinity_key: str | None = None, exclude: Iterable[Backend] = ()) -> Backend:
         excluded = set(exclude)
+        backends = self.backends
+        n_healthy = sum(1 for b in backends if b.healthy)
+        if n_healthy == len(backends):  # the usual case: every server in rotation
+            usable: Callable[[Backend], bool] = _in_rotation
+            panic, now = False, 0.0
+            if self.in_panic:
+                self._note_panic(False, n_healthy)
+        else:
+            now = self.clock()
+            panic = n_healthy < self.panic_threshold * len(backends)
+            self._note_panic(panic, n_healthy)
+
+            def usable(b: Backend) -> bool:
+                return b.healthy or b.half_open(now) or (panic and b.ejected_by in SOFT_EJECTIONS)
+
+        chosen = None
         if self.ring is not None and affinity_key is not None:
             for b in self.ring.walk(affinity_key):
-                if b.healthy and b not in excluded:
-                    return b
+                if b not in excluded and usable(b):
+                    chosen = b
+                    break
         else:
-            candidates = [b for b in self.backends if b.healthy and b not in excluded]
+            candidates = [b for b in backends if b not in excluded and usable(b)]
             if candidates:
-                return self.policy.choose(candidates)
-        n_failed = sum(1 for b in self.backends if b in excluded)
+                chosen = self.policy.choose(candidates)
+        if chosen is not None:
+            if not chosen.healthy:
+                if chosen.half_open(now):
+                    chosen.probe_at = now  # the one probe of this half-open period
+                elif panic and self.on_panic is not None:
+                    self.on_panic(self.name)
+            return chosen
+        n_failed = sum(1 for b in backends if b in excluded)
         tried = f" ({n_failed} already failed for this request)" if n_failed else ""
         raise NoHealthyServer(f"no healthy {self.name} server available{tried}")
+
+    def _note_panic(self, panic: bool, n_healthy: int) -> None:
+        """Log when the pool enters or leaves panic (not on every pick)."""
+        if panic == self.in_panic:
+            return
+        self.in_panic = panic
+        if panic:
+            logger.warning(
+                "%s pool in panic: %d of %d servers in rotation (threshold %g); routing to "
+                "soft-ejected servers too",
+                self.name,
+                n_healthy,
+                len(self.backends),
+                self.panic_threshold,
+            )
+        else:
+            logger.warning("%s pool out of panic", self.name)
+
+
+def _in_rotation(b: Backend) -> bool:
+    return b.healthy
 
 
 def prompt_head(body: dict[str, Any], chars: int) -> str | None:

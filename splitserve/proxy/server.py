@@ -58,10 +58,28 @@ class ProxyState:
         self.prefill_backends = [Backend("prefill", e.url, e) for e in config.prefill]
         self.decode_backends = [Backend("decode", e.url, e) for e in config.decode]
         r = config.routing
-        self.prefill = Pool("prefill", self.prefill_backends, r.prefill, r.prefix_affinity)
-        self.decode = Pool("decode", self.decode_backends, r.decode)
+        metrics = self.metrics
+
+        def on_panic(pool: str) -> None:
+            metrics.of(metrics.panic_routes, pool).inc()
+
+        self.prefill = Pool(
+            "prefill",
+            self.prefill_backends,
+            r.prefill,
+            r.prefix_affinity,
+            panic_threshold=r.panic_threshold,
+            on_panic=on_panic,
+        )
+        self.decode = Pool(
+            "decode", self.decode_backends, r.decode, panic_threshold=r.panic_threshold,
+            on_panic=on_panic,
+        )  # fmt: skip
         self.tracker = HealthTracker(
-            self.prefill_backends + self.decode_backends, config.health, self.metrics
+            self.prefill_backends + self.decode_backends,
+            config.health,
+            self.metrics,
+            config.outlier,
         )
         self.session: aiohttp.ClientSession | None = None  # health checks and /v1/models
         self.upstream: UpstreamClient | None = None  # every completion request
@@ -254,6 +272,8 @@ def _ready_handler(state: ProxyState) -> Handler:
                 {
                     "url": b.url,
                     "healthy": b.healthy,
+                    "ejected_by": b.ejected_by,
+                    "degraded": b.degraded,
                     "in_flight": b.outstanding,
                     "error": b.last_error,
                 }

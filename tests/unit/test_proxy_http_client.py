@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -123,23 +125,101 @@ async def test_chunked_stream_arrives_piece_by_piece(client) -> None:
         assert len(client._pools[s.origin].idle) == 1  # complete and keep-alive: pooled
 
 
-async def test_stale_idle_connection_is_replaced_once(client) -> None:
-    async def one_then_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+class ThreadedServer:
+    """A stand-in engine server on its own thread (blocking sockets), so that it can close a
+    connection while the test's event loop is blocked and has not seen the close yet. Answers
+    each request of a connection with ``ok(b"a")`` and closes the connection after
+    ``per_connection`` answers; counts connections and requests read whole."""
+
+    def __init__(self, per_connection: int) -> None:
+        self.per_connection = per_connection
+        self.connections = 0
+        self.requests = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @property
+    def origin(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn, conn.makefile("rb") as f:
+                for _ in range(self.per_connection):
+                    length = 0
+                    while (line := f.readline()) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":", 1)[1])
+                    f.read(length)
+                    self.requests += 1
+                    conn.sendall(ok(b"a"))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def test_stale_idle_connection_is_detected_before_writing(client) -> None:
+    server = ThreadedServer(per_connection=1)  # answers, then closes the idle connection
+    try:
+        resp = await client.post(server.origin, "/x", b"{}")
+        assert await resp.read() == b"a"
+        resp.release()
+        assert len(client._pools[server.origin].idle) == 1
+        time.sleep(0.3)  # the server closes meanwhile; the loop (blocked) has not seen it
+        conn = client._pools[server.origin].idle[0]
+        assert not conn.lost, "the loop must not have seen the close yet for this test"
+        resp = await client.post(server.origin, "/x", b"{}")
+        assert await resp.read() == b"a"
+        resp.release()
+        assert server.connections == 2
+        assert server.requests == 2, "each request written once"
+    finally:
+        server.close()
+
+
+async def test_a_connection_idle_too_long_is_not_reused(client, monkeypatch) -> None:
+    monkeypatch.setattr(upstream, "_MAX_IDLE_S", 0.0)
+    async with scripted(keep_alive_echo) as s:
+        for _ in range(2):
+            resp = await client.post(s.origin, "/x", b"{}")
+            await resp.read()
+            resp.release()
+            await asyncio.sleep(0.01)
+        assert s.connections == 2
+
+
+async def test_a_request_written_is_never_sent_again(client) -> None:
+    """The server reads the whole second request and drops the connection without a byte of
+    answer (it may have started the generation): the caller gets the error, the request is not
+    sent again on a new connection."""
+    requests = 0
+
+    async def answer_then_drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal requests
         await read_request(r)
+        requests += 1
         w.write(ok(b"a"))
         await w.drain()
-        # Close the idle connection the moment the next request starts to arrive, without
-        # reading it: the client must have sent on a connection the server was leaving.
-        await r.read(1)
+        await read_request(r)  # the whole request, read
+        requests += 1
+        w.transport.abort()
 
-    async with scripted(one_then_close) as s:
+    async with scripted(answer_then_drop) as s:
         resp = await client.post(s.origin, "/x", b"{}")
         assert await resp.read() == b"a"
         resp.release()
-        resp = await client.post(s.origin, "/x", b"{}")
-        assert await resp.read() == b"a"
-        resp.release()
-        assert s.connections == 2
+        with pytest.raises(UpstreamDisconnected) as caught:
+            await client.post(s.origin, "/x", b'{"prompt": "once"}')
+        assert not caught.value.answered
+        await asyncio.sleep(0.05)
+        assert requests == 2
+        assert s.connections == 1, "no second connection: the request was not re-sent"
 
 
 async def test_connection_refused_is_a_connect_error(client) -> None:

@@ -103,7 +103,10 @@ def test_health_ejects_after_threshold_and_readmits() -> None:
     tracker.observe(b, False, "refused", decisive=True)
     assert not b.healthy and b.ejections == 2
     text = metrics.render().decode()
-    assert 'splitserve_proxy_ejections_total{pool="decode",server="http://d:1"} 2.0' in text
+    assert (
+        'splitserve_proxy_ejections_total{pool="decode",reason="health_check",'
+        'server="http://d:1"} 2.0' in text
+    )
     assert 'splitserve_proxy_server_healthy{pool="decode",server="http://d:1"} 0.0' in text
 
 

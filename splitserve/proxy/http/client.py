@@ -17,9 +17,11 @@ Invariants:
   was read to the end and both sides allow keep-alive; any other ending (an error, a cancelled
   caller, ``close()``) aborts it, so the server sees the request end (vLLM then aborts the
   request and frees its KV).
-- A request that fails on a reused connection before any byte of the answer arrived (the server
-  closed the idle connection as we sent) is sent again once on a new connection: the server
-  never read it.
+- A request is written at most once: a pooled connection is checked before writing (closed by
+  the server, reset, unsolicited bytes, or idle longer than ``_MAX_IDLE_S``: dropped, and the
+  next one or a new connection is used). Once written, a failure is the caller's error
+  (``UpstreamDisconnected``), never a silent second send: the server may have read
+  the request and started a generation (the proxy's retry rule: docs/proxy.md, "Faults").
 - Reads from a connection pause while more than ``_HIGH_WATER`` bytes wait for a slow caller.
 - Errors are ``UpstreamConnectError`` (could not connect; ``timed_out`` says whether the
   connect timed out) and ``UpstreamDisconnected`` (the connection broke or the answer was not
@@ -33,7 +35,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import ssl
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -43,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes above which reading pauses
 _LOW_WATER = 64 * 1024
+# A pooled connection idle longer than this is closed rather than reused: below the engines'
+# own keep-alive limit (uvicorn's default, vLLM's and SGLang's server: 5 s), so the proxy does not
+# write a request on a connection the server is closing at that moment.
+_MAX_IDLE_S = 4.0
 
 
 class UpstreamConnectError(ConnectionError):
@@ -54,7 +62,36 @@ class UpstreamConnectError(ConnectionError):
 
 
 class UpstreamDisconnected(ConnectionError):
-    """The connection broke before the answer was complete, or the answer was not HTTP."""
+    """The connection broke before the answer was complete, or the answer was not HTTP. The
+    request had been written (the server may have read it); ``answered``: some byte of the
+    answer had arrived."""
+
+    def __init__(self, message: str, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+def _peer_open(transport: asyncio.BaseTransport) -> bool:
+    """True when an idle connection's socket shows nothing: no end of stream, no reset, no
+    unsolicited bytes (a non-blocking peek, consuming nothing). The loop may not have run the
+    callbacks of a close that already reached the kernel; this sees it before a request is
+    written."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return True  # nothing to look at (not a socket transport): the loop's view stands
+    try:
+        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+    except OSError:
+        return False
+    try:
+        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True  # nothing to read: open and quiet
+    except OSError:
+        return False  # reset
+    finally:
+        raw.detach()  # the transport owns the descriptor
+    return False  # end of stream, or bytes nobody asked for
 
 
 class _Connection(asyncio.Protocol):
@@ -67,6 +104,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.lost = False
         self.got_bytes = False
+        self.idle_since = 0.0
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,7 +132,10 @@ class _Connection(asyncio.Protocol):
             self.on_message_complete()  # the end of a body without length or chunking
             return
         reason = f": {exc}" if exc else ""
-        self._fail(UpstreamDisconnected(f"{self.pool.origin}: connection closed{reason}"))
+        what = "connection closed" if self.got_bytes else "connection closed before any answer"
+        self._fail(
+            UpstreamDisconnected(f"{self.pool.origin}: {what}{reason}", answered=self.got_bytes)
+        )
 
     def pause_writing(self) -> None:  # request bodies are small; the kernel buffers them
         pass
@@ -306,6 +347,7 @@ class _Pool:
         self.idle: list[_Connection] = []
 
     def put(self, conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
         self.idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:
@@ -313,10 +355,20 @@ class _Pool:
             self.idle.remove(conn)
 
     def take(self) -> _Connection | None:
+        """An idle connection fit to write a request on, or None. Every one found unfit (the
+        loop saw it close, the socket shows a close, a reset or stray bytes, or it idled past
+        ``_MAX_IDLE_S``) is closed here, before anything is written on it."""
+        if not self.idle:
+            return None
+        now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # the most recently used: the least likely to be stale
-            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+            t = conn.transport
+            if conn.lost or t is None or t.is_closing():
+                continue
+            if now - conn.idle_since <= _MAX_IDLE_S and _peer_open(t):
                 return conn
+            conn.abort()
         return None
 
     async def connect(self, until: float | None = None) -> _Connection:
@@ -384,9 +436,10 @@ class UpstreamClient:
     ) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``origin + path``; returns once the status and headers
         arrived, ``TimeoutError`` if that is not before loop time ``until`` (the response keeps
-        ``until`` for its reads). ``on_response`` gets each response object as it is made (a
-        second one when a stale connection is replaced), e.g. to ``interrupt`` it. The caller
-        reads the body and then calls ``release()`` (or ``close()``)."""
+        ``until`` for its reads). ``on_response`` gets the response object as it is made, e.g.
+        to ``interrupt`` it. The caller reads the body and then calls ``release()`` (or
+        ``close()``). The request is written once: a failure after that is raised
+        (``UpstreamDisconnected``), never sent again."""
         pool = self._pool(origin)
         request = (
             b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -394,24 +447,8 @@ class UpstreamClient:
             % (path.encode(), pool.netloc.encode(), len(body), self._extra)
         ) + body
         conn = pool.take()
-        if conn is not None:
-            response = UpstreamResponse(self._loop, until)
-            if on_response is not None:
-                on_response(response)
-            try:
-                conn.send(request, response)
-                await response._headers()
-                return response
-            except UpstreamDisconnected:
-                if conn.got_bytes:
-                    response.close()
-                    raise
-                response.close()  # stale idle connection: the server never read the request
-                logger.debug("%s: reused connection closed before answering; reconnecting", origin)
-            except BaseException:
-                response.close()
-                raise
-        conn = await pool.connect(until)
+        if conn is None:
+            conn = await pool.connect(until)
         response = UpstreamResponse(self._loop, until)
         if on_response is not None:
             on_response(response)
