@@ -240,7 +240,7 @@ def _validate_components(dep: Deployment, source: str) -> None:
     """Check the nested settings with the owning component's own model, so errors surface at
     start-up of ``up`` rather than in a server's log a minute later."""
     try:
-        proxy_config_for(dep, prefill_side_ports=_placeholder_ports(dep))
+        proxy_config_for(dep, prefill_side_ports=placeholder_side_ports(dep))
     except ValidationError as e:
         raise DeploymentError(
             "\n".join(
@@ -277,7 +277,9 @@ def _validate_with(module: str, cls_name: str, data: dict[str, Any], where: str)
         ) from None
 
 
-def _placeholder_ports(dep: Deployment) -> list[int | None]:
+def placeholder_side_ports(dep: Deployment) -> list[int | None]:
+    """The prefill servers' side-channel ports as configured (None where the launcher chooses
+    one at start): enough to build the proxy settings before the servers are planned."""
     base = dep.prefill.side_channel_base_port
     return [None if base is None else base + i for i in range(dep.prefill.count)]
 

@@ -28,7 +28,13 @@ from typing import Any
 import yaml
 from pydantic import SecretStr
 
-from splitserve.config import Deployment, DeploymentError, PoolSettings, proxy_config_for
+from splitserve.config import (
+    Deployment,
+    DeploymentError,
+    PoolSettings,
+    placeholder_side_ports,
+    proxy_config_for,
+)
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
 from splitserve.launch.secrets import DeploymentSecrets
@@ -276,7 +282,7 @@ class DeploymentRunner:
     def _proxy_client_key(self) -> bytes | None:
         from splitserve.proxy.config import ConfigError
 
-        config = proxy_config_for(self.dep, [None] * self.dep.prefill.count, host=HOST)
+        config = proxy_config_for(self.dep, placeholder_side_ports(self.dep), host=HOST)
         try:
             return config.client_key()
         except ConfigError as exc:
@@ -290,7 +296,7 @@ class DeploymentRunner:
             "temperature": 0,
         }
         auth = ""
-        config = proxy_config_for(self.dep, [None] * self.dep.prefill.count, host=HOST)
+        config = proxy_config_for(self.dep, placeholder_side_ports(self.dep), host=HOST)
         if config.api_key is not None or config.api_key_file is not None:
             source = config.api_key_file or "<your proxy api_key>"
             auth = f'-H "Authorization: Bearer $(cat {source})" '

@@ -7,10 +7,11 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from splitserve.config import DeploymentError, RestartSettings, parse_deployment
+from splitserve.config import DeploymentError, RestartSettings, load_deployment, parse_deployment
 from splitserve.launch.deployment import DeploymentRunner, plan_servers
 from splitserve.launch.group import ServerGroup
 from splitserve.launch.process import ManagedProcess, tail_lines
@@ -260,3 +261,15 @@ def test_a_restart_waits_for_every_port_of_the_child(tmp_path) -> None:
         "decode-0": [9200, 9700],
         "proxy": [9000],
     }
+
+
+def test_every_shipped_config_builds_its_proxy_settings_before_start(tmp_path) -> None:
+    """``up`` reads the proxy's client key and prints an example request before the servers are
+    planned; a concurrent-flow config needs the prefill side-channel ports for that."""
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        runner = DeploymentRunner(load_deployment(path), echo=lambda line: None)
+        if runner.dep.proxy.get("api_key_file") is None:
+            assert runner._proxy_client_key() is None, path
+        assert "/v1/completions" in runner.example_request(), path
