@@ -10,6 +10,7 @@ retry on a fresh port (``splitserve.launch.group``).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import urllib.error
 import urllib.request
@@ -54,3 +55,14 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses: only this machine's processes reach a
+    socket bound there (the one case a side channel or proxy may run without a key)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost, or "" (every address)

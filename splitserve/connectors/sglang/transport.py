@@ -45,6 +45,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from splitserve.netutil import is_loopback
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.auth import KEY_ENV, KEY_FILE_ENV, AuthKeyError, load_key
 from splitserve.transfer.layout import KVLayout, LayerLayout, MemoryKind
@@ -196,8 +197,7 @@ def side_channel_key(settings: BackendSettings, host: str, *, prefill: bool) -> 
             f"splitserve SGLang backend: the prefill side channel would be advertised to D as "
             f"{host!r}, which D cannot connect to; set SGLANG_HOST_IP to an address D reaches"
         )
-    loopback = host == "localhost" or (address is not None and address.is_loopback)
-    if key is None and not loopback and not settings.insecure:
+    if key is None and not is_loopback(host) and not settings.insecure:
         raise BackendSettingsError(
             f"splitserve SGLang backend: the prefill side channel binds {host!r}, reachable "
             "from the network, but no auth key is set: anyone who reaches it could read and "

@@ -6,12 +6,12 @@ key or a bad value stops start-up with an error that names it. Imports no vLLM.
 
 from __future__ import annotations
 
-import ipaddress
 from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from splitserve.netutil import is_loopback
 from splitserve.transfer.auth import KEY_ENV, KEY_FILE_ENV, AuthKeyError, load_key
 from splitserve.transfer.peers import PeerAllowlist
 
@@ -97,7 +97,7 @@ class SplitserveConnectorConfig(BaseModel):
             key = load_key(self.auth_key_file)
         except AuthKeyError as exc:
             raise ConnectorConfigError(f"SplitserveConnector: {exc}") from None
-        if key is None and not self.insecure and not _is_loopback(self.side_channel_host):
+        if key is None and not self.insecure and not is_loopback(self.side_channel_host):
             raise ConnectorConfigError(
                 f"SplitserveConnector: side_channel_host {self.side_channel_host!r} is reachable "
                 "from the network but no auth key is set: anyone who reaches the port could "
@@ -107,15 +107,6 @@ class SplitserveConnectorConfig(BaseModel):
                 'set "insecure": true'
             )
         return key
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_connector_config(extra: dict[str, Any] | None) -> SplitserveConnectorConfig:
