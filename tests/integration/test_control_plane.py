@@ -99,6 +99,7 @@ def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 2000)  # an attacker without the key may never connect
         if key is not None:
             CurveKeys.derive(key).apply_client(sock)
         sock.connect(f"tcp://127.0.0.1:{port}")
@@ -106,13 +107,16 @@ def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
         if key is not None:
             frames[3] = [messages.encode(messages.decode(frames[3][0]), key)]
         for parts in frames:
-            sock.send_multipart(parts, zmq.NOBLOCK)
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart(parts)
         big = ctx.socket(zmq.DEALER)
         big.setsockopt(zmq.LINGER, 0)
+        big.setsockopt(zmq.SNDTIMEO, 2000)
         if key is not None:
             CurveKeys.derive(key).apply_client(big)
         big.connect(f"tcp://127.0.0.1:{port}")
-        big.send(b"\x00" + b"x" * (64 * MiB), zmq.NOBLOCK)
+        with contextlib.suppress(zmq.Again):
+            big.send(b"\x00" + b"x" * (64 * MiB))
         time.sleep(2.0)  # let the bytes leave before the sockets close
         big.close(0)
         sock.close(0)
@@ -387,7 +391,17 @@ def test_a_silent_partition_fails_the_load_within_its_bound_and_recovers(pair):
         wait_kv_usage_zero(d[0])
         wait_kv_usage_zero(p[0], bound=20 + 60)  # P frees by its lease (20 s in this pair)
         relay.forwarding.set()
+        # Recovery is bounded, not instant: the first request right after the network returns
+        # may still fail (what the relay held back flushes as stale connections close), so the
+        # check is "a request succeeds within 60 s of the network's return".
         prompt = prompt_of(160, 5003)
-        assert_same(_flow_via(p, d, prompt, relay.port), reference(p[0], prompt), "healed")
+        ref = reference(p[0], prompt)
+        healed_at, answer = time.monotonic(), {}
+        while time.monotonic() - healed_at < 60:
+            answer = _flow_via(p, d, prompt, relay.port)
+            if "choices" in answer:
+                break
+            time.sleep(1.0)
+        assert_same(answer, ref, "after the network returned")
     finally:
         relay.close()
