@@ -91,6 +91,37 @@ def _hostile_frames(rng: random.Random) -> list[list[bytes]]:
     return frames
 
 
+def _connected(sock: zmq.Socket, port: int, key: bytes | None, bound_s: float = 10.0) -> bool:
+    """Connect ``sock`` to P's side channel; True once its handshake succeeded (never, for a
+    peer without the key: P refuses it)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    if key is not None:
+        CurveKeys.derive(key).apply_client(sock)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        end = time.monotonic() + bound_s
+        while time.monotonic() < end:
+            if monitor.poll(100):
+                recv_monitor_message(monitor)
+                return True
+            if key is None and time.monotonic() > end - bound_s + 2:
+                return False  # an unkeyed peer never gets there: 2 s of trying is enough
+        return False
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+
+
+def _send_all(sock: zmq.Socket, frames: list[list[bytes]]) -> None:
+    """Queue every frame without ever blocking (a frame ZMQ will not queue is dropped: an
+    attacker without a connection loses it, which is what P would see too)."""
+    for parts in frames:
+        with contextlib.suppress(zmq.Again):
+            sock.send_multipart(parts, zmq.NOBLOCK)
+
+
 def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
     """Send every hostile frame from one connection (keyed: a peer holding the deployment key
     gone rogue; unkeyed: anyone on the network). Returns the number of messages sent."""
@@ -99,24 +130,16 @@ def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.SNDTIMEO, 2000)  # an attacker without the key may never connect
-        if key is not None:
-            CurveKeys.derive(key).apply_client(sock)
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        connected = _connected(sock, port, key)
+        assert connected == (key is not None), "only a keyed peer may open a session"
         frames = _hostile_frames(rng)
         if key is not None:
             frames[3] = [messages.encode(messages.decode(frames[3][0]), key)]
-        for parts in frames:
-            with contextlib.suppress(zmq.Again):
-                sock.send_multipart(parts)
+        _send_all(sock, frames)
         big = ctx.socket(zmq.DEALER)
         big.setsockopt(zmq.LINGER, 0)
-        big.setsockopt(zmq.SNDTIMEO, 2000)
-        if key is not None:
-            CurveKeys.derive(key).apply_client(big)
-        big.connect(f"tcp://127.0.0.1:{port}")
-        with contextlib.suppress(zmq.Again):
-            big.send(b"\x00" + b"x" * (64 * MiB))
+        _connected(big, port, key)
+        _send_all(big, [[b"\x00" + b"x" * (64 * MiB)]])
         time.sleep(2.0)  # let the bytes leave before the sockets close
         big.close(0)
         sock.close(0)
