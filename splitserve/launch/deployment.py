@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import SecretStr
@@ -41,6 +41,9 @@ from splitserve.launch.secrets import DeploymentSecrets
 from splitserve.launch.supervisor import Supervisor
 from splitserve.models import PRESETS, ModelSpec, build_model
 from splitserve.netutil import free_port, port_in_use
+
+if TYPE_CHECKING:
+    from splitserve.proxy.config import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -279,12 +282,15 @@ class DeploymentRunner:
         self.group.wait(60.0, names=["proxy"])
         self.echo(f"proxy ready: {self.url}")
 
+    def _proxy_settings(self) -> ProxyConfig:
+        """The proxy's settings before its ports are known (for its client key)."""
+        return proxy_config_for(self.dep, placeholder_side_ports(self.dep), host=HOST)
+
     def _proxy_client_key(self) -> bytes | None:
         from splitserve.proxy.config import ConfigError
 
-        config = proxy_config_for(self.dep, placeholder_side_ports(self.dep), host=HOST)
         try:
-            return config.client_key()
+            return self._proxy_settings().client_key()
         except ConfigError as exc:
             raise DeploymentError(f"proxy: {exc}") from None
 
@@ -296,7 +302,7 @@ class DeploymentRunner:
             "temperature": 0,
         }
         auth = ""
-        config = proxy_config_for(self.dep, placeholder_side_ports(self.dep), host=HOST)
+        config = self._proxy_settings()
         if config.api_key is not None or config.api_key_file is not None:
             source = config.api_key_file or "<your proxy api_key>"
             auth = f'-H "Authorization: Bearer $(cat {source})" '

@@ -282,8 +282,3 @@ def routing_id(agent_name: str, target: str | None = None) -> bytes:
     starts with a zero byte (ZMQ reserves those)."""
     text = agent_name if target is None else f"{agent_name}\0{target}"
     return b"ss:" + hashlib.sha256(text.encode()).digest()[:16]
-
-
-def key_bytes(auth_key: str | None) -> bytes | None:
-    """The configured key as bytes (None when not set or empty)."""
-    return auth_key.encode() if auth_key else None

@@ -283,7 +283,7 @@ class SideChannel:
             self._dealers[(host, port)] = dealer
         return dealer
 
-    def _drop_dealer(self, dealer: _Dealer, reason: str, *, report: bool = True) -> None:
+    def _drop_dealer(self, dealer: _Dealer, reason: str, *, log: bool = True) -> None:
         """Close one connection we opened and tell the receiver its peer is gone."""
         assert dealer.peer.host is not None and dealer.peer.port is not None
         self._dealers.pop((dealer.peer.host, dealer.peer.port), None)
@@ -291,9 +291,9 @@ class SideChannel:
         dealer.sock.close(0)
         kind = reason.split(":")[0]
         self.stats.dropped_peers[kind] = self.stats.dropped_peers.get(kind, 0) + 1
-        if report:
+        if log:
             self._peer_log.warn(str(dealer.peer), kind, "side channel: %s: %s", dealer.peer, reason)
-            self._inbox_connected.append(PeerLost(dealer.peer, reason))
+        self._inbox_connected.append(PeerLost(dealer.peer, reason))
 
     # -- I/O thread --------------------------------------------------------------------------
 
@@ -434,8 +434,7 @@ class SideChannel:
                     f"unreachable: no connection within {self.connect_timeout_s:g} s",
                 )
             elif now - dealer.last_used > self.idle_close_s:
-                self._drop_dealer(dealer, "idle", report=False)
-                self._inbox_connected.append(PeerLost(dealer.peer, "idle connection closed"))
+                self._drop_dealer(dealer, "idle: connection closed", log=False)
 
     def _reject(self, peer: PeerRef, reason: str) -> None:
         self.stats.rejected += 1
