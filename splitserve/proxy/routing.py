@@ -191,6 +191,12 @@ class Pool:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
+    def below_panic_threshold(self) -> bool:
+        """Fewer than ``panic_threshold`` of the servers are in rotation (or none is): picks
+        may go to soft-ejected servers, so the pool serves but is not healthy (``/ready``)."""
+        n_healthy = sum(1 for b in self.backends if b.healthy)
+        return n_healthy == 0 or n_healthy < self.panic_threshold * len(self.backends)
+
     def pick(self, affinity_key: str | None = None, exclude: Iterable[Backend] = ()) -> Backend:
         excluded = set(exclude)
         backends = self.backends

@@ -268,6 +268,7 @@ def _ready_handler(state: ProxyState) -> Handler:
     def pool(p: Pool) -> dict[str, Any]:
         return {
             "healthy": len(p.healthy()),
+            "panic": p.below_panic_threshold(),
             "servers": [
                 {
                     "url": b.url,
@@ -282,7 +283,11 @@ def _ready_handler(state: ProxyState) -> Handler:
         }
 
     async def ready(request: Request) -> Response:
-        is_ready = bool(state.prefill.healthy()) and bool(state.decode.healthy())
+        # A pool in panic still serves (soft-ejected servers are tried), but it is short of
+        # servers: a load balancer in front should prefer another proxy, so not ready.
+        is_ready = not (
+            state.prefill.below_panic_threshold() or state.decode.below_panic_threshold()
+        )
         data = {"ready": is_ready, "prefill": pool(state.prefill), "decode": pool(state.decode)}
         return _json_response(data, 200 if is_ready else 503)
 

@@ -276,6 +276,38 @@ async def test_a_pool_whose_every_server_is_ejected_is_still_served(closing) -> 
     assert 'reason="health_timeout"' in text
 
 
+async def ready(proxy: ProxyServer) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/ready") as r:
+        return r.status, await r.json()
+
+
+async def test_ready_answers_503_while_a_pool_is_in_panic(closing) -> None:
+    """Panic keeps requests flowing, but readiness tells the truth: a pool below the panic
+    threshold (here 1 of 2 prefill servers with threshold 0.75) answers 503 with ``panic``,
+    though requests still succeed; once the server is back, 200."""
+    p_ok, p_slow = await stubs(closing, "ok", "ok")
+    (d,) = await stubs(closing, "ok")
+    proxy = await proxy_for(
+        closing,
+        [p_ok, p_slow],
+        [d],
+        routing={"panic_threshold": 0.75},
+        health={"interval_s": 0.05, "timeout_s": 0.2, "timeouts_to_eject": 1},
+    )
+    assert (await ready(proxy))[0] == 200
+    p_slow.health_delay = 1.0
+    slow = proxy.state.prefill.backends[1]
+    await wait_for(lambda: not slow.healthy)
+    status, data = await ready(proxy)
+    assert status == 503 and data["prefill"]["panic"] and not data["decode"]["panic"]
+    assert data["prefill"]["healthy"] == 1
+    assert await post(proxy) == 200  # still served
+    p_slow.health_delay = 0.0
+    await wait_for(lambda: slow.healthy)
+    status, data = await ready(proxy)
+    assert status == 200 and not data["prefill"]["panic"]
+
+
 async def test_without_panic_an_empty_pool_answers_503(closing) -> None:
     (p,) = await stubs(closing, "ok")
     (d,) = await stubs(closing, "ok")
