@@ -57,7 +57,7 @@ def config_from_options(
         data["decode"] = [{"url": u} for u in decode]
     data.update({k: v for k, v in overrides.items() if v is not None})
     for key in ("prefill", "decode"):
-        if key not in data:
+        if key not in data and not data.get("discovery"):
             raise ConfigError(f"{key}: give at least one --{key} URL (or a --config file)")
     config = build_config(data)
     config.client_key()  # an unreadable api_key_file stops start-up here, naming the file

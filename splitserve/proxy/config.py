@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic import model_validator as _model_validator
 
 from splitserve.netutil import is_loopback
+from splitserve.proxy.discovery_config import DiscoverySettings, check_discovery
 
 Engine = Literal["vllm", "sglang"]
 Flow = Literal["concurrent", "sequential"]
@@ -179,8 +180,12 @@ class ProxyConfig(_Strict):
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    prefill: list[PrefillEndpoint] = Field(min_length=1)
-    decode: list[DecodeEndpoint] = Field(min_length=1)
+    prefill: list[PrefillEndpoint] = Field(default_factory=list)
+    decode: list[DecodeEndpoint] = Field(default_factory=list)
+    discovery: DiscoverySettings | None = Field(
+        None, description="Pools that change while serving: DNS names, a pool file reloaded on "
+        "SIGHUP (docs/proxy.md, \"Dynamic pools\"); a pool they cover may list no server.",
+    )  # fmt: skip
     routing: RoutingSettings = RoutingSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     retries: RetrySettings = RetrySettings()
@@ -195,6 +200,9 @@ class ProxyConfig(_Strict):
         False, description="Allow a non-loopback host without a key (a trusted lab only).",
     )  # fmt: skip
     upstream_api_key: SecretStr | None = Field(None, description="Sent to the engine servers.")
+    upstream_api_key_file: str | None = Field(
+        None, description="A file holding upstream_api_key (read at start-up; '~' expanded)."
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, le=1024 * 1024, description="A request's head, from its first byte."
@@ -230,6 +238,16 @@ class ProxyConfig(_Strict):
 
     @_model_validator(mode="after")
     def _check_flow(self) -> ProxyConfig:
+        for pool in ("prefill", "decode"):
+            if not getattr(self, pool) and not (self.discovery and self.discovery.covers(pool)):
+                raise ValueError(
+                    f"{pool}: List should have at least 1 item (a server URL), or give "
+                    f"discovery.{pool} (a DNS name) or discovery.pool_file"
+                )
+        if self.discovery is not None:
+            check_discovery(self.engine, self.flow, self.discovery)
+        if self.upstream_api_key is not None and self.upstream_api_key_file is not None:
+            raise ValueError("upstream_api_key_file: give upstream_api_key or its file, not both")
         if self.engine == "vllm" and self.flow == "concurrent":
             for i, p in enumerate(self.prefill):
                 if p.side_channel_port is None:
@@ -284,6 +302,24 @@ class ProxyConfig(_Strict):
             raise ConfigError(f"api_key_file: cannot read {path}: {e.strerror or e}") from None
         if not key:
             raise ConfigError(f"api_key_file: {path} is empty")
+        return key
+
+    def upstream_key(self) -> str | None:
+        """The key sent to the engines: ``upstream_api_key`` or ``upstream_api_key_file``'s
+        content (``ConfigError`` naming the file when it cannot be read or is empty)."""
+        if self.upstream_api_key is not None:
+            return self.upstream_api_key.get_secret_value()
+        if self.upstream_api_key_file is None:
+            return None
+        path = Path(os.path.expanduser(self.upstream_api_key_file))
+        try:
+            key = path.read_text().strip()
+        except OSError as e:
+            raise ConfigError(
+                f"upstream_api_key_file: cannot read {path}: {e.strerror or e}"
+            ) from None
+        if not key:
+            raise ConfigError(f"upstream_api_key_file: {path} is empty")
         return key
 
 

@@ -219,7 +219,8 @@ class HealthChecker:
         self.tracker = tracker
         self.session = session
         self.headers = headers or {}
-        self._task: asyncio.Task[None] | None = None
+        self._watches: dict[Backend, asyncio.Task[None]] = {}
+        self._started = False
 
     async def check(self, backend: Backend, decisive: bool = False) -> None:
         s = self.tracker.settings
@@ -252,15 +253,29 @@ class HealthChecker:
             await asyncio.sleep(self.tracker.settings.interval_s)
             await self.check(backend)
 
-    async def _run(self) -> None:
-        await asyncio.gather(*(self._watch(b) for b in self.tracker.backends))
+    def watch(self, backend: Backend) -> None:
+        """Check ``backend`` on its own clock from now on (discovery adds servers here)."""
+        if self._started and backend not in self._watches:
+            self._watches[backend] = asyncio.get_running_loop().create_task(
+                self._watch(backend), name=f"health {backend.url}"
+            )
+
+    def unwatch(self, backend: Backend) -> None:
+        """Stop checking ``backend`` (a server that left its pool)."""
+        task = self._watches.pop(backend, None)
+        if task is not None:
+            task.cancel()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="health")
+        if not self._started:
+            self._started = True
+            for b in self.tracker.backends:
+                self.watch(b)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self._started = False
+        tasks = list(self._watches.values())
+        self._watches.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

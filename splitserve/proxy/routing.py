@@ -176,9 +176,8 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``panic_threshold``: below this fraction of servers in rotation, soft-ejected servers
-        are candidates too (0: never); ``on_panic(pool)`` is called for each such pick."""
-        if not backends:
-            raise ValueError(f"pool {name!r} has no servers")
+        are candidates too (0: never); ``on_panic(pool)`` is called for each such pick. A pool
+        may start empty when discovery fills it (``set_backends``)."""
         self.name = name
         self.backends = list(backends)
         self.policy: Policy = POLICIES[policy]()
@@ -187,6 +186,14 @@ class Pool:
         self.on_panic = on_panic
         self.clock = clock
         self.in_panic = False
+
+    def set_backends(self, backends: Sequence[Backend]) -> None:
+        """Change the pool's servers (discovery: ``splitserve.proxy.discovery``); a pick after
+        this call sees only these. The hash ring is rebuilt, so only a changed server's share
+        of prefix keys moves."""
+        self.backends = list(backends)
+        if self.ring is not None:
+            self.ring = HashRing(self.backends)
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]

@@ -86,6 +86,7 @@ class ProxyState:
         self.checker: HealthChecker | None = None
         self.forwarder: Forwarder | None = None
         self._api_key = config.client_key()
+        self._upstream_key = config.upstream_key()
         self.in_flight = 0  # /v1 requests being served (bounded by config.max_in_flight)
 
     async def start(self) -> None:
@@ -112,9 +113,8 @@ class ProxyState:
 
     def upstream_headers(self) -> dict[str, str]:
         """Headers every request to an engine carries (its API key, when configured)."""
-        if self.config.upstream_api_key is None:
-            return {}
-        return {"Authorization": f"Bearer {self.config.upstream_api_key.get_secret_value()}"}
+        key = self._upstream_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     async def close(self) -> None:
         if self.checker is not None:
