@@ -1,9 +1,11 @@
 """Reading a request's ``kv_transfer_params``: which side of a transfer it is, and where P is.
 
-Pure functions (no vLLM import), used by the scheduler half in the engine-core process. The
-params come from the client (through the proxy), so they are validated here and a malformed
-set is refused with a message that says what is wrong; the request is then served without a
-transfer (D computes it locally), never crashing the engine.
+Pure functions (no vLLM import), used twice with the same rules: by the API server's request
+guard (``middleware.PrefillTargetGuard``), which answers a malformed set or a ``remote_host``
+outside ``allowed_prefill_hosts`` with a 400 naming the field, and by the scheduler half in the
+engine-core process, the second wall for servers started without the guard: there a refused set
+is logged and the request is served without a transfer (D computes it locally), never crashing
+the engine. The params come from whoever reaches the server's HTTP port (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from splitserve.transfer.peers import PeerAllowlist
 
 
 class KVParamsError(ValueError):
-    """``kv_transfer_params`` are malformed."""
+    """``kv_transfer_params`` are malformed or name a refused target; ``field`` is the key at
+    fault (``""``: the params as a whole)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -42,46 +49,78 @@ class ProduceParams:
     transfer_id: str
 
 
+def _shown(value: Any) -> str:
+    """A client's value, cut short for a message (it is echoed in logs and 400 answers)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _transfer_id(params: dict[str, Any], *, required: bool) -> str:
     tid = params.get("transfer_id")
     if tid is None and not required:
         return uuid.uuid4().hex
     if not isinstance(tid, str) or not tid or len(tid) > 128:
-        raise KVParamsError(f"transfer_id must be a non-empty string of <= 128 chars, got {tid!r}")
+        raise KVParamsError(
+            "transfer_id",
+            f"transfer_id must be a non-empty string of <= 128 chars, got {_shown(tid)}",
+        )
     return tid
 
 
-def receive_params(
-    params: dict[str, Any] | None, allowlist: PeerAllowlist | None = None
-) -> ReceiveParams | None:
+def _flag(params: Any, key: str) -> bool:
+    """A boolean switch of the params; anything but a dict is refused (vLLM passes a
+    ``vllm_xargs`` entry named ``kv_transfer_params`` through as is, whatever its type)."""
+    if params is None:
+        return False
+    if not isinstance(params, dict):
+        raise KVParamsError("", f"must be an object, got {type(params).__name__}")
+    value = params.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise KVParamsError(key, f"{key} must be true or false, got {_shown(value)}")
+    return bool(value)
+
+
+def receive_params(params: Any, allowlist: PeerAllowlist | None = None) -> ReceiveParams | None:
     """The D-side params of a request (None when it is not a remote prefill). With an
     ``allowlist``, a ``remote_host`` outside it is refused (D never contacts it)."""
-    if not params or not params.get("do_remote_prefill"):
+    if not _flag(params, "do_remote_prefill"):
         return None
+    assert params is not None
     host, port = params.get("remote_host"), params.get("remote_port")
     if not isinstance(host, str) or not host:
-        raise KVParamsError(f"remote_host must be a non-empty string, got {host!r}")
-    if len(host) > 253:
-        raise KVParamsError(f"remote_host of {len(host)} characters")
-    if allowlist is not None and not allowlist.allows(host):
         raise KVParamsError(
-            f"remote_host {host!r} is not an allowed prefill host (allowed_prefill_hosts: "
-            f"{allowlist})"
+            "remote_host", f"remote_host must be a non-empty string, got {_shown(host)}"
+        )
+    if len(host) > 253:
+        raise KVParamsError("remote_host", f"remote_host of {len(host)} characters")
+    if allowlist is not None and not allowlist.allows(host):
+        # The allowed entries are not named: this message also answers the client.
+        raise KVParamsError(
+            "remote_host",
+            f"remote_host {host!r} is not an allowed prefill host (allowed_prefill_hosts)",
         )
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise KVParamsError(f"remote_port must be an int in 1..65535, got {port!r}")
-    first = params.get("first_token_from_prefill", False)
-    if not isinstance(first, bool):
-        raise KVParamsError(f"first_token_from_prefill must be true or false, got {first!r}")
+        raise KVParamsError(
+            "remote_port", f"remote_port must be an int in 1..65535, got {_shown(port)}"
+        )
+    first = _flag(params, "first_token_from_prefill")
     return ReceiveParams(_transfer_id(params, required=True), host, port, first)
 
 
-def produce_params(params: dict[str, Any] | None) -> ProduceParams | None:
+def produce_params(params: Any) -> ProduceParams | None:
     """The P-side params of a request (None when it is not a remote decode). A request from a
     stock router carries no transfer id: one is made here and returned to the router."""
-    if not params or not params.get("do_remote_decode"):
+    if not _flag(params, "do_remote_decode"):
         return None
+    assert params is not None
     return ProduceParams(_transfer_id(params, required=False))
+
+
+def check_params(params: Any, allowlist: PeerAllowlist | None = None) -> None:
+    """Raise ``KVParamsError`` if either side's params are malformed or name a refused
+    ``remote_host`` (the request guard's one call: the same rules as the scheduler half)."""
+    receive_params(params, allowlist)
+    produce_params(params)
 
 
 def tokens_to_receive(num_prompt_tokens: int, first_token_from_prefill: bool) -> int:
