@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import click
 from pydantic import ValidationError
 
+from splitserve.planner.calibration_file import LoadedCalibration, load_calibration
 from splitserve.planner.catalog import (
     ACCELERATORS,
     LINKS,
@@ -139,6 +140,13 @@ class _OneLineErrors(click.Command):
     help="Comma-separated transfer sizes for the NIXL bandwidth probe.",
 )
 @click.option(
+    "--calibration",
+    "calibration_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="Plan with figures measured earlier: a benchmarks/gpu_proof.py calibration file, or "
+    "the JSON of 'plan --calibrate --json'.",
+)
+@click.option(
     "--handoff-results",
     type=click.Path(dir_okay=False, exists=True),
     help="JSON from benchmarks/handoff.py to check the calibrated handoff against.",
@@ -164,6 +172,7 @@ def plan(
     calibrate_budget_s: float,
     nixl_sizes_mib: str,
     handoff_results: str | None,
+    calibration_path: str | None,
 ) -> None:
     """KV size, handoff per link, prefill intensity, chunk and pool advice, and a verdict."""
     try:
@@ -177,6 +186,16 @@ def plan(
         slo = Slo(**slo_fields)
         weight_bytes = WEIGHT_DTYPE_BYTES[weight_dtype.lower()]
         measured: CalibrationResult | None = None
+        loaded: LoadedCalibration | None = None
+        if calibrate and calibration_path:
+            raise PlannerInputError(
+                "--calibrate and --calibration: choose one (measure now, or use a file)"
+            )
+        if calibration_path:
+            loaded = _load_calibration(Path(calibration_path), gpu)
+            acc, weight_bytes = loaded.accelerator, loaded.weight_bytes
+            if loaded.link is not None and not _link_given(link_gbps):
+                link = loaded.link
         if calibrate:
             measured = _calibrate(
                 model,
@@ -214,6 +233,15 @@ def plan(
         raise click.ClickException(explain_validation(e)) from None
     if measured is not None:
         _attach_calibration(result_plan, measured, link)
+    if loaded is not None:
+        result_plan.calibration = loaded.section()
+        result_plan.assumptions.insert(
+            0,
+            f"calibrated from {loaded.path}: accelerator figures measured on "
+            f"{loaded.measured_on} (achieved, not peak; --efficiency applies on top)"
+            + f"; KV link {link.name}"
+            + (" (measured with it)" if link is loaded.link else " (not from the file)"),
+        )
     click.echo(render_json(result_plan) if as_json else render_text(result_plan))
 
 
@@ -262,6 +290,20 @@ def _calibrate(
         )
     except CalibrationError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _load_calibration(path: Path, gpu: str) -> LoadedCalibration:
+    """A calibration file, checked against ``--gpu`` when the command line names one."""
+    loaded = load_calibration(path)
+    given = (
+        click.get_current_context().get_parameter_source("gpu")
+        == click.core.ParameterSource.COMMANDLINE
+    )
+    if given and not loaded.matches(gpu):
+        raise PlannerInputError(
+            f"--calibration {path} was measured on {loaded.measured_on}, not --gpu {gpu}"
+        )
+    return loaded
 
 
 def _attach_calibration(result_plan: Plan, measured: CalibrationResult, link: Link) -> None:

@@ -254,9 +254,25 @@ def _assumptions_section(plan: Plan) -> str:
 
 
 def render_calibration(cal: dict[str, Any]) -> str:
-    lines = ["Calibration (measured on this machine)"]
+    lines = [cal.get("title", "Calibration (measured on this machine)")]
     for note in cal.get("notes", []):
         lines.append(f"  - {note}")
+    steps = cal.get("steps")
+    if steps:  # a calibration file of benchmarks/gpu_proof.py: one layer's step times
+        lines.append(
+            table(
+                ["step (prefill n after c, B decodes at d)", "measured layer", "roofline"],
+                [
+                    [
+                        f"n={p['prefill_tokens']} c={p['prefill_context']} "
+                        f"B={p['decode_seqs']} d={p['decode_context']}",
+                        fmt_seconds(p["measured_s"]),
+                        fmt_seconds(p.get("roofline_measured_s")),
+                    ]
+                    for p in steps["points"]
+                ],
+            )
+        )
     layer = cal.get("layer")
     if layer:
         lines.append(
