@@ -4,7 +4,8 @@
   with an error, frees its KV (token usage back to its baseline) and serves the next request
   with a new decode server;
 - the prefill server dies while a long prompt streams: the decode request ends with an error
-  (well within the backend's DONE timeout), and the decode server frees its KV.
+  (well within the backend's DONE timeout), the decode server frees its KV, and its next
+  request (through its other prefill server) has the same tokens as before the kill.
 
 These servers are throwaway (keys ``sglang-fail-*``, started through the session's server group
 and stopped at the end of the module), never the shared pair. "While it streams" is observed,
@@ -199,11 +200,17 @@ def test_decode_killed_mid_transfer_prefill_frees_and_keeps_serving(pair):
 
 
 def test_prefill_killed_decode_request_ends_with_an_error(pair):
-    if "sglang-fail-d2" not in pair.group.servers:
-        pair.start("sglang-fail-d2", "decode")
+    """...and the decode server, whose other prefill server stays up, then serves a request
+    through that one with the same tokens as before the kill."""
+    for key, mode in (("sglang-fail-d2", "decode"), ("sglang-fail-p1", "prefill")):
+        if key not in pair.group.servers:
+            pair.start(key, mode)
     pair.start("sglang-fail-p2", "prefill")
-    pair.wait("sglang-fail-p2", "sglang-fail-d2")
+    pair.wait("sglang-fail-p1", "sglang-fail-p2", "sglang-fail-d2")
     d_url = pair.url("sglang-fail-d2")
+    short = prompt_of(4)[:200]
+    before = Request(pair, "sglang-fail-p1", "sglang-fail-d2", short).join()["sglang-fail-d2"]
+    assert before[0] == 200, before
     baseline = used_tokens(d_url)
 
     answers = stream_then_kill(pair, "sglang-fail-p2", "sglang-fail-d2", "sglang-fail-p2", 3)
@@ -212,3 +219,5 @@ def test_prefill_killed_decode_request_ends_with_an_error(pair):
     wait_for(lambda: used_tokens(d_url) <= baseline, "decode KV back to baseline")
     with urllib.request.urlopen(d_url + "/health", timeout=60) as resp:
         assert resp.status == 200
+    after = Request(pair, "sglang-fail-p1", "sglang-fail-d2", short).join()["sglang-fail-d2"]
+    assert after[0] == 200 and after[1]["output_ids"] == before[1]["output_ids"], (before, after)

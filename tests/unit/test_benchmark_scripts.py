@@ -31,6 +31,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
              "--kv-cache-gib", "--resummarize"],
         ),
         ("chunking.py", ["--duration", "--out"]),
+        (
+            "soak.py",
+            ["--minutes", "--pairs", "--concurrency", "--disconnect", "--check", "--kill-at",
+             "--out", "--plot", "--check-targets"],
+        ),
     ],
 )  # fmt: skip
 def test_script_help_lists_its_options(script: str, options: list[str]) -> None:

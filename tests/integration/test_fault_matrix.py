@@ -1,0 +1,488 @@
+"""The fault matrix on real processes (issue #20): real vLLM servers with ``SplitserveConnector``
+behind the real proxy, and faults a fleet sees: a P SIGKILLed mid-prefill, a D SIGKILLed
+mid-transfer (push and pull), clients that go away at a random point of a long prompt, a P
+restarted on its same ports under a live D, and a P or a D frozen (SIGSTOP) for longer than the
+lease.
+
+Pass criterion, per case (docs/connector-protocol.md, "Failure matrix"; docs/proxy.md,
+"Faults"): every request ends within its bound with a clear error (an HTTP error with the
+OpenAI error body, or an SSE ``error`` event) or the colocated server's greedy answer; KV usage
+on every P and D is back to 0 within the lease; the next request is correct.
+
+Servers (keys ``fm-*``, this module's own, stopped at its end): ``fm-p1`` (P, pulls), ``fm-p2``
+(P, pushes) and ``fm-d`` (D), all ``kv_both``; a request without ``kv_transfer_params`` makes
+``fm-d`` a colocated server: the reference. Their model is the tiny preset made wider (hidden
+512, MLP 2048: see ``FAULT_MODEL``) so that a ~3,600-token prompt keeps P busy for seconds on
+one core, long enough to kill it mid-prefill; its KV per token is the tiny model's. A killed
+server is restarted at once (``Fleet.kill`` then ``Fleet.restart``: same command line, same
+HTTP and side-channel ports) and waited for only by the test that needs it next.
+
+"Mid-prefill" is observed, not timed: a kill waits until the server's ``/metrics`` show the
+request running (``vllm:num_requests_running``), and the prompt takes several chunked steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+import pytest
+from metrics_text import fetch_metrics, metric_sum
+from session_keys import test_key_file as key_file
+
+from splitserve.launch.group import ServerGroup
+from splitserve.models import build_model, resolve_spec
+from splitserve.netutil import free_ports
+from splitserve.proxy.background import BackgroundProxy
+from splitserve.proxy.config import build_config
+
+pytestmark = pytest.mark.integration
+
+# The tiny preset, wider: 4 layers of hidden 512 and MLP 2048 (about 4x the tiny model's
+# compute per token), KV 4 KiB per token as the tiny model's.
+FAULT_MODEL = dict(hidden_size=512, intermediate_size=2048, num_heads=8, num_kv_heads=2)
+LEASE_S = 8.0
+START_TIMEOUT = 420.0
+WAIT_S = 120.0  # bound on every wait for a state (KV freed, a request running)
+REQUEST_S = 90.0  # bound on one request through the proxy (a loaded 2-core machine)
+LONG_WORDS = 1650  # about 3,600 tokens of the word prompt below
+MAX_TOKENS = 8
+# Client disconnects per flow in the suite (the issue's 20 rounds: SPLITSERVE_FAULT_ROUNDS=20).
+ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "6"))
+KEYS = ("fm-p1", "fm-p2", "fm-d")
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+class Fleet:
+    """This module's servers in the session's group: started together, killed (SIGKILL of the
+    whole tree, as a crash) or frozen one at a time, restarted on their same ports."""
+
+    def __init__(self, group: ServerGroup) -> None:
+        self.group = group
+        self.side: dict[str, int] = {}
+
+    def url(self, key: str) -> str:
+        return self.group.servers[key].url
+
+    def pid(self, key: str) -> int:
+        pid = self.group.servers[key].process.pid
+        assert pid is not None
+        return pid
+
+    def wait(self, *keys: str) -> None:
+        """Wait for the servers (all by default), restarting any found dead (a test that
+        failed between its kill and its restart must not leave the next one a dead server)."""
+        for key in keys or KEYS:
+            if not self.group.servers[key].process.alive():
+                self.restart(key)
+        self.group.wait(START_TIMEOUT, names=list(keys or KEYS), stop_group_on_failure=False)
+
+    def tree(self, key: str) -> list[psutil.Process]:
+        root = psutil.Process(self.pid(key))
+        return [root, *root.children(recursive=True)]
+
+    def kill(self, key: str) -> None:
+        """SIGKILL the server's whole process tree (no clean shutdown)."""
+        procs = self.tree(key)
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=30)
+
+    def restart(self, key: str) -> None:
+        """Start it again on its same ports (not waited for)."""
+        self.group.restart(key, note="restarted by test_fault_matrix")
+
+    def signal(self, key: str, sig: int) -> None:
+        for proc in self.tree(key):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(sig)
+
+    def stop_all(self) -> None:
+        for key in KEYS:
+            server = self.group.servers.pop(key, None)
+            if server is not None:
+                self.signal_safe_cont(server)
+                server.process.stop()
+
+    @staticmethod
+    def signal_safe_cont(server: Any) -> None:
+        """A frozen tree would not stop on SIGTERM: wake it first."""
+        with contextlib.suppress(psutil.Error, TypeError):
+            root = psutil.Process(server.process.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                proc.send_signal(signal.SIGCONT)
+
+
+def _kv_config(side_port: int, direction: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "side_channel_port": side_port,
+            "auth_key_file": key_file(),
+            "direction": direction,
+            "lease_s": LEASE_S,
+            "done_timeout_s": 60,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
+    model = build_model(resolve_spec("tiny", **FAULT_MODEL), tmp_path_factory.mktemp("fault"))
+    running = Fleet(servers.group)
+    extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "512"]
+    layout = {"fm-p1": ("pull", 0), "fm-p2": ("push", 1), "fm-d": ("auto", 1)}
+    try:
+        for key, side in zip(KEYS, free_ports(len(KEYS)), strict=True):
+            direction, core = layout[key]
+            running.side[key] = side
+            servers.group.add_vllm(
+                key,
+                str(model),
+                served_model_name="tiny",
+                kv_transfer_config=_kv_config(side, direction),
+                extra_args=extra,
+                cpu_core=core,
+            )
+        running.wait()
+        yield running
+    finally:
+        running.stop_all()
+
+
+def proxy_config(fleet: Fleet, prefill: list[str], **overrides: Any):
+    return build_config(
+        {
+            "port": 0,
+            "flow": "concurrent",
+            "prefill": [{"url": fleet.url(k), "side_channel_port": fleet.side[k]} for k in prefill],
+            "decode": [{"url": fleet.url("fm-d")}],
+            "routing": {"prefill": "round_robin"},
+            "health": {"interval_s": 1.0, "timeout_s": 5.0},
+            "timeouts": {"first_byte_s": 60.0, "stream_idle_s": 30.0, "total_s": REQUEST_S},
+            **overrides,
+        }
+    )
+
+
+@contextlib.contextmanager
+def proxy(fleet: Fleet, prefill: list[str], **overrides: Any) -> Iterator[BackgroundProxy]:
+    with BackgroundProxy(proxy_config(fleet, prefill, **overrides)) as running:
+        yield running
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+def text_prompt(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    vocab = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "now"]
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def body_for(prompt: str, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+@dataclass
+class Outcome:
+    """How a request ended: ``text`` (an answer), or ``error`` (its status and body, or the SSE
+    error event), and how long it took."""
+
+    status: int = 0
+    text: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        """An answer, or an error a client can read (an OpenAI error body or SSE error event)."""
+        return self.text is not None or (self.error is not None and '"error"' in self.error)
+
+
+def send(url: str, body: dict[str, Any], timeout: float = REQUEST_S) -> Outcome:
+    """POST a completion; read the whole answer (SSE when streamed)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    t0 = time.monotonic()
+    out = Outcome()
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        out.status = response.status
+        if response.status != 200:
+            out.error = response.read().decode(errors="replace")
+        elif not body.get("stream"):
+            out.text = json.loads(response.read())["choices"][0]["text"]
+        else:
+            text, done = [], False
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                out.events.append(event)
+                if "error" in event:
+                    out.error = json.dumps(event)
+                    break
+                text += [c.get("text", "") for c in event.get("choices", [])]
+            if done:
+                out.text = "".join(text)
+            elif out.error is None:
+                out.error = "stream ended without [DONE] or an error event"
+    except (OSError, http.client.HTTPException) as exc:
+        out.error = f"transport: {exc!r}"
+    finally:
+        conn.close()
+        out.seconds = time.monotonic() - t0
+    return out
+
+
+def send_and_leave(url: str, body: dict[str, Any], after_s: float) -> None:
+    """POST a streamed completion and close the connection ``after_s`` seconds later, whatever
+    arrived by then (a client that goes away)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_S)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        time.sleep(after_s)
+    finally:
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(2)
+        conn.close()
+
+
+def colocated(fleet: Fleet, prompt: str) -> str:
+    """The reference: ``fm-d`` serving the prompt alone (no kv_transfer_params)."""
+    answer = send(fleet.url("fm-d"), body_for(prompt))
+    assert answer.text is not None, answer
+    return answer.text
+
+
+def metric(url: str, name: str) -> float:
+    return metric_sum(fetch_metrics(url), name)
+
+
+def wait_for(predicate, what: str, bound: float = WAIT_S, step: float = 0.05) -> float:
+    """Poll ``predicate`` until true; the seconds waited (fails past ``bound``)."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > bound:
+            raise AssertionError(f"not within {bound:.0f} s: {what}")
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def kv_free(fleet: Fleet, keys: tuple[str, ...] = KEYS, bound: float = LEASE_S + 30) -> None:
+    """KV usage back to 0 on each server within the lease (plus slack for a loaded machine)."""
+    for key in keys:
+        url = fleet.url(key)
+        wait_for(
+            lambda url=url: metric(url, "vllm:kv_cache_usage_perc") == 0.0,
+            f"{key}: KV cache usage back to 0",
+            bound=bound,
+            step=0.5,
+        )
+
+
+def running_on(fleet: Fleet, keys: tuple[str, ...]) -> str | None:
+    """The first of ``keys`` whose engine reports a request running."""
+    for key in keys:
+        with contextlib.suppress(OSError):
+            if metric(fleet.url(key), "vllm:num_requests_running") > 0:
+                return key
+    return None
+
+
+def wait_running(fleet: Fleet, keys: tuple[str, ...]) -> str:
+    """Wait until one of ``keys`` runs a request; its key."""
+    found: list[str] = []
+
+    def seen() -> bool:
+        key = running_on(fleet, keys)
+        if key is not None:
+            found.append(key)
+        return bool(found)
+
+    wait_for(seen, f"a request running on one of {keys}")
+    return found[0]
+
+
+def backend_of(pool: Any, url: str) -> Any:
+    """The proxy's live state of the server at ``url``."""
+    port = urlsplit(url).port
+    return next(b for b in pool.backends if urlsplit(b.url).port == port)
+
+
+def check_next(fleet: Fleet, proxy_url: str, seed: int, stream: bool = False) -> None:
+    prompt = text_prompt(300, seed)
+    answer = send(proxy_url, body_for(prompt, stream))
+    assert answer.text == colocated(fleet, prompt), answer
+
+
+# -- the matrix ----------------------------------------------------------------------------------
+
+
+def test_p_killed_mid_prefill_is_retried_on_the_other_pair(fleet):
+    """Two P; the one computing a 3,600-token prompt is SIGKILLed mid-prefill (nothing reached
+    the client yet): the proxy retries on the other pair and the streamed answer is the
+    colocated one. KV is free on the survivors; the dead P, restarted on its ports, is readmitted
+    by the proxy's health checks; the next requests (one per P) are correct."""
+    fleet.wait()
+    prompt = text_prompt(LONG_WORDS, 10)
+    ref = colocated(fleet, prompt)
+    with proxy(fleet, ["fm-p1", "fm-p2"]) as running, ThreadPoolExecutor(1) as pool:
+        future = pool.submit(send, running.url, body_for(prompt, stream=True))
+        victim = wait_running(fleet, ("fm-p1", "fm-p2"))
+        fleet.kill(victim)
+        answer = future.result(timeout=REQUEST_S + 30)
+        assert answer.text == ref, answer
+        assert answer.seconds < REQUEST_S
+        survivor = "fm-p2" if victim == "fm-p1" else "fm-p1"
+        kv_free(fleet, (survivor, "fm-d"))
+        fleet.restart(victim)
+        fleet.wait(victim)
+        backend = backend_of(running.state.prefill, fleet.url(victim))
+        wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
+        for i in range(2):  # round robin: each P serves one
+            check_next(fleet, running.url, 20 + i, stream=bool(i))
+    kv_free(fleet)
+
+
+def test_single_p_killed_then_restarted_on_its_ports_under_a_live_d(fleet):
+    """One P, SIGKILLed mid-prefill while D holds a registration for it: the client gets a
+    clean error (no other pair to retry on) within the bound. P restarts on the same HTTP and
+    side-channel ports; D, whose side-channel connection was to the dead P, serves with the new
+    one: of the next requests at most one fails, the others are the colocated answers."""
+    fleet.wait()
+    prompt = text_prompt(LONG_WORDS, 30)
+    refs = [colocated(fleet, text_prompt(200, 31 + i)) for i in range(4)]
+    with proxy(fleet, ["fm-p1"]) as running, ThreadPoolExecutor(1) as pool:
+        future = pool.submit(send, running.url, body_for(prompt))
+        wait_running(fleet, ("fm-p1",))
+        fleet.kill("fm-p1")
+        answer = future.result(timeout=REQUEST_S + 30)
+        assert answer.text is None and answer.clean and answer.status >= 500, answer
+        kv_free(fleet, ("fm-d",))
+        fleet.restart("fm-p1")
+        fleet.wait("fm-p1")
+        backend = running.state.prefill.backends[0]
+        wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
+        answers = [send(running.url, body_for(text_prompt(200, 31 + i))) for i in range(4)]
+    failed = [a for a in answers if a.text is None]
+    assert len(failed) <= 1 and all(a.clean for a in failed), answers
+    for answer, ref in zip(answers, refs, strict=True):
+        assert answer.text in (None, ref), answer
+    kv_free(fleet)
+
+
+def test_d_killed_mid_transfer_push_and_pull(fleet):
+    """D SIGKILLed while two P compute for it, one pulling (``fm-p1``: P announces, D reads)
+    and one pushing (``fm-p2``: P writes into D): each client gets a clean error within the
+    bound, each P frees the request's KV within the lease (pull: no PULLED after DONE; push: the
+    WRITE fails), D restarts on its ports, and the next request through each P is correct."""
+    fleet.wait()
+    prompts = [text_prompt(LONG_WORDS, 40 + i) for i in range(2)]
+    next_refs = [colocated(fleet, text_prompt(300, 50 + i)) for i in range(2)]
+    with (
+        proxy(fleet, ["fm-p1"]) as pull,
+        proxy(fleet, ["fm-p2"]) as push,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        futures = [
+            pool.submit(send, pull.url, body_for(prompts[0], stream=True)),
+            pool.submit(send, push.url, body_for(prompts[1])),
+        ]
+        wait_running(fleet, ("fm-p1",))
+        wait_running(fleet, ("fm-p2",))
+        fleet.kill("fm-d")
+        for future in futures:
+            answer = future.result(timeout=REQUEST_S + 30)
+            assert answer.text is None and answer.clean, answer
+        kv_free(fleet, ("fm-p1", "fm-p2"))
+        fleet.restart("fm-d")
+        fleet.wait("fm-d")
+        for proxy_, i in ((pull, 0), (push, 1)):
+            backend = proxy_.state.decode.backends[0]
+            wait_for(lambda b=backend: b.healthy, "the restarted D readmitted")
+            answer = send(proxy_.url, body_for(text_prompt(300, 50 + i)))
+            assert answer.text == next_refs[i], answer
+    kv_free(fleet)
+
+
+@pytest.mark.parametrize("first_token", [True, False], ids=["first-token", "concurrent"])
+def test_clients_leave_at_random_points_of_a_long_prompt(fleet, first_token):
+    """``ROUNDS`` streamed 3,600-token requests whose clients go away at a seeded random point
+    in 0-3 s (mid-prefill on P, mid-transfer, or mid-stream on D): nothing is left held (KV back
+    to 0 on every server within the lease) and the next request is correct."""
+    fleet.wait()
+    rng = random.Random(60 + first_token)
+    with proxy(fleet, ["fm-p1", "fm-p2"], first_token_from_prefill=first_token) as running:
+        for i in range(ROUNDS):
+            prompt = text_prompt(LONG_WORDS, 1000 * (1 + first_token) + i)
+            send_and_leave(running.url, body_for(prompt, stream=True), rng.uniform(0, 3))
+        kv_free(fleet)
+        for i in range(2):
+            check_next(fleet, running.url, 70 + 2 * first_token + i, stream=bool(i))
+        text = fetch_metrics(running.url)
+        left = metric_sum(text, "splitserve_proxy_requests_total", status="499")
+        assert left >= 1, "no request counted as left by its client"
+    kv_free(fleet)
+
+
+@pytest.mark.parametrize("victim", ["fm-p1", "fm-d"])
+def test_server_frozen_past_the_lease_then_resumed(fleet, victim):
+    """P or D frozen (SIGSTOP of its whole tree) mid-request for longer than the lease, then
+    resumed (SIGCONT): the request ends within its bound while the server is still frozen (D:
+    the side channel's heartbeats; the proxy: ``first_byte_s`` / ``stream_idle_s``), KV is
+    back to 0 on both once it runs again, and the next request is correct."""
+    fleet.wait()
+    prompt = text_prompt(LONG_WORDS, 80 + (victim == "fm-d"))
+    timeouts = {"first_byte_s": 25.0, "stream_idle_s": 15.0, "total_s": REQUEST_S}
+    with proxy(fleet, ["fm-p1"], timeouts=timeouts) as running, ThreadPoolExecutor(1) as pool:
+        future = pool.submit(send, running.url, body_for(prompt, stream=True))
+        wait_running(fleet, ("fm-p1",))
+        fleet.signal(victim, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            answer = future.result(timeout=REQUEST_S + 30)
+            remaining = LEASE_S + 2 - (time.monotonic() - frozen_at)
+            if remaining > 0:
+                time.sleep(remaining)  # frozen past the lease, as the case says
+        finally:
+            fleet.signal(victim, signal.SIGCONT)
+        assert answer.clean, answer
+        assert answer.text in (None, colocated(fleet, prompt)), answer
+        kv_free(fleet, ("fm-p1", "fm-d"))
+        check_next(fleet, running.url, 90 + (victim == "fm-d"), stream=True)
+    kv_free(fleet)
