@@ -170,6 +170,11 @@ class Deployment(_Strict):
         default_factory=RestartSettings,
         description="Restart policy of the servers and the proxy once the deployment serves.",
     )
+    kubernetes: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Settings of the Kubernetes manifests (`splitserve up CONFIG --emit "
+        "kubernetes DIR`): KubernetesSettings in splitserve.launch.kubernetes_settings.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:

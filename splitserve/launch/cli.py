@@ -56,9 +56,21 @@ def _run(runner: DeploymentRunner, body: Callable[[], int], interrupted_rc: int)
     is_flag=True,
     help="Print the engine commands and environment this deployment runs, then exit.",
 )
-def up(config: str, print_commands: bool) -> None:
+@click.option(
+    "--emit",
+    nargs=2,
+    type=(click.Choice(["kubernetes"]), click.Path(file_okay=False)),
+    default=None,
+    metavar="kubernetes DIR",
+    help="Write this deployment's Kubernetes manifests (and a kustomization.yaml) to DIR "
+    "instead of starting it (docs/deployment.md, 'Kubernetes').",
+)
+def up(config: str, print_commands: bool, emit: tuple[str, str] | None) -> None:
     """Start the prefill and decode servers and the proxy described by CONFIG."""
     dep = _load(config)
+    if emit is not None:
+        _emit_kubernetes(dep, config, emit[1])
+        return
     runner = DeploymentRunner(dep, echo=click.echo)
     if print_commands:
         secrets = DeploymentSecrets.create(dep, runner.run_dir)
@@ -79,6 +91,24 @@ def up(config: str, print_commands: bool) -> None:
         return runner.supervise()
 
     _run(runner, serve, interrupted_rc=0)
+
+
+def _emit_kubernetes(dep, config: str, out: str) -> None:
+    from pathlib import Path
+
+    from splitserve.launch.kubernetes import build_manifests
+
+    try:
+        manifests = build_manifests(dep, config)
+    except DeploymentError as e:
+        raise click.UsageError(str(e)) from None
+    for path in manifests.write(Path(out)):
+        click.echo(f"wrote {path}")
+    click.echo(
+        f"\napply with: kubectl apply -k {out}\n"
+        "secret.yaml holds freshly generated keys: keep it private; emitting again makes new "
+        "ones (docs/deployment.md, 'Kubernetes')."
+    )
 
 
 @click.command("demo")

@@ -94,7 +94,7 @@ def ensure_model(dep: Deployment) -> str:
 
 
 def _kv_transfer_config(
-    dep: Deployment, side_port: int | None
+    dep: Deployment, side_port: int | None, side_host: str = HOST
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The --kv-transfer-config of one server, and the env it needs."""
     if dep.connector.name == "nixl":
@@ -103,9 +103,16 @@ def _kv_transfer_config(
             cfg["kv_buffer_device"] = "cpu"
         if dep.connector.settings:
             cfg["kv_connector_extra_config"] = dict(dep.connector.settings)
-        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": side_host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        }
         return cfg, env
-    extra = {**dep.connector.settings, "side_channel_host": HOST, "side_channel_port": side_port}
+    extra = {
+        **dep.connector.settings,
+        "side_channel_host": side_host,
+        "side_channel_port": side_port,
+    }
     cfg = {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
@@ -130,6 +137,38 @@ def _scheduler_args(pool: PoolSettings) -> list[str]:
     ]
 
 
+def server_command(
+    dep: Deployment,
+    role: str,
+    model: str | Path,
+    port: int,
+    side_port: int | None,
+    *,
+    host: str = HOST,
+    side_host: str = HOST,
+    cpu_core: int | None = None,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+) -> engines.ServerCommand:
+    """One engine server of ``role``'s pool: the command both ``up`` (``plan_servers``) and
+    the Kubernetes manifests (``splitserve.launch.kubernetes``) run. ``env`` comes last: the
+    pool's own variables, then the keys'."""
+    pool: PoolSettings = getattr(dep, role)
+    kv_cfg, kv_env = _kv_transfer_config(dep, side_port, side_host)
+    return engines.vllm_server(
+        str(model),
+        port,
+        host=host,
+        served_model_name=dep.model.served_name,
+        kv_transfer_config=kv_cfg,
+        extra_args=[*_scheduler_args(pool), *pool.args],
+        cpu=dep.device == "cpu",
+        cpu_core=cpu_core if dep.device == "cpu" else None,
+        env={**kv_env, **(env or {})},
+        python=python,
+    )
+
+
 def plan_servers(
     dep: Deployment, model: str | Path, secret_env: dict[str, str] | None = None
 ) -> list[PlannedServer]:
@@ -145,20 +184,16 @@ def plan_servers(
                 if pool.side_channel_base_port is not None
                 else free_port(HOST)
             )
-            kv_cfg, kv_env = _kv_transfer_config(dep, side)
-            sched_args = _scheduler_args(pool)
             core = pool.cpu_cores[i] if pool.cpu_cores is not None else None
             gpu_env = {"CUDA_VISIBLE_DEVICES": pool.gpus[i]} if pool.gpus is not None else {}
-            cmd = engines.vllm_server(
-                str(model),
+            cmd = server_command(
+                dep,
+                role,
+                model,
                 port,
-                host=HOST,
-                served_model_name=dep.model.served_name,
-                kv_transfer_config=kv_cfg,
-                extra_args=[*sched_args, *pool.args],
-                cpu=dep.device == "cpu",
-                cpu_core=core if dep.device == "cpu" else None,
-                env={**kv_env, **gpu_env, **pool.env, **(secret_env or {})},
+                side,
+                cpu_core=core,
+                env={**gpu_env, **pool.env, **(secret_env or {})},
             )
             planned.append(PlannedServer(f"{role}-{i}", role, port, side, cmd))
     return planned

@@ -39,7 +39,7 @@ class DeploymentSecrets:
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o700)
         side = None
-        if _needs_side_channel_key(dep):
+        if needs_side_channel_key(dep):
             side = write_key_file(folder / "side-channel.key")
         engine_key = generate_key()
         engine_file = write_key_file(folder / "engine-api.key", engine_key)
@@ -61,10 +61,13 @@ class DeploymentSecrets:
         return env
 
 
-def _needs_side_channel_key(dep: Deployment) -> bool:
+def needs_side_channel_key(dep: Deployment, ignore_key_file: bool = False) -> bool:
+    """Whether the launcher makes a side-channel key: the splitserve connector, not insecure,
+    and (unless ``ignore_key_file``: the Kubernetes manifests, where a local file means
+    nothing) no key file of the deployment's own."""
     settings = dep.connector.settings
     return (
         dep.connector.name == "splitserve"
         and not settings.get("insecure", False)
-        and not settings.get("auth_key_file")
+        and (ignore_key_file or not settings.get("auth_key_file"))
     )
