@@ -26,6 +26,7 @@ Routing reads this state and never changes it, bar marking the half-open probe i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +64,25 @@ class HealthTracker:
         self.clock = clock
         for b in self.backends:
             metrics.healthy.labels(*b.labels).set(1 if b.healthy else 0)
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, backend: Backend, why: str) -> None:
+        """A server joins (discovery, after its first passing check): tracked and in rotation."""
+        if backend not in self.backends:
+            self.backends.append(backend)
+        backend.healthy = True
+        backend.ejected_by = None
+        backend.last_error = None
+        self.metrics.healthy.labels(*backend.labels).set(1)
+        logger.warning("%s server %s admitted: %s", backend.pool, backend.url, why)
+
+    def remove(self, backend: Backend) -> None:
+        """A server left its pool (discovery, once drained): no longer tracked or exported."""
+        if backend in self.backends:
+            self.backends.remove(backend)
+        with contextlib.suppress(KeyError):
+            self.metrics.healthy.remove(*backend.labels)
 
     # ------------------------------------------------------------------ health checks
 

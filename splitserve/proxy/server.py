@@ -31,6 +31,7 @@ import aiohttp
 from splitserve.proxy import jsonio, validation
 from splitserve.proxy.calls import RequestOutcome
 from splitserve.proxy.config import ProxyConfig
+from splitserve.proxy.discovery import Discovery
 from splitserve.proxy.errors import NoHealthyServer, ProxyError, Unauthorized, error_body
 from splitserve.proxy.forward import Forwarder
 from splitserve.proxy.health import HealthChecker, HealthTracker
@@ -81,6 +82,11 @@ class ProxyState:
             self.metrics,
             config.outlier,
         )
+        self.discovery: Discovery | None = None  # dynamic pools (discovery.py), when configured
+        if config.discovery is not None:
+            self.discovery = Discovery(
+                config, {"prefill": self.prefill, "decode": self.decode}, self.tracker, metrics
+            )
         self.session: aiohttp.ClientSession | None = None  # health checks and /v1/models
         self.upstream: UpstreamClient | None = None  # every completion request
         self.checker: HealthChecker | None = None
@@ -97,6 +103,8 @@ class ProxyState:
         self.checker = HealthChecker(self.tracker, self.session, upstream_headers)
         await self.checker.check_all(decisive=True)
         self.checker.start()
+        if self.discovery is not None:
+            await self.discovery.start(self.checker)
         self.upstream = UpstreamClient(self.config.timeouts.connect_s, upstream_headers)
         self.forwarder = Forwarder(
             self.config, self.upstream, self.prefill, self.decode, self.tracker, self.metrics
@@ -117,6 +125,8 @@ class ProxyState:
         return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.checker is not None:
             await self.checker.stop()
         if self.session is not None:

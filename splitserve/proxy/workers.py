@@ -105,6 +105,11 @@ class WorkerPool:
                     self._procs[i] = self._spawn()
             time.sleep(poll_s)
 
+    def signal_workers(self, signum: int) -> None:
+        for p in self._procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signum)
+
     def stop(self) -> None:
         self._stopping = True
         for p in self._procs:
@@ -127,6 +132,9 @@ def run_workers(config: ProxyConfig, workers: int) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if config.discovery is not None and config.discovery.pool_file is not None:
+        # SIGHUP (reload the pool file: splitserve.proxy.discovery) goes to every worker.
+        signal.signal(signal.SIGHUP, lambda signum, frame: pool.signal_workers(signal.SIGHUP))
     pool.start()
     try:
         pool.watch()
