@@ -39,6 +39,19 @@ else
 fi
 case "$DEVICE" in cpu|gpu) ;; *) fail "SPLITSERVE_DEVICE='$DEVICE'" "use cpu or gpu";; esac
 
+# dnsmasq (Debian's dnsmasq-base: the binary, no service): the real DNS server that
+# tests/integration/test_discovery.py resolves the proxy's dynamic pools against. Checked on every
+# run (cheap), installed once; apt needs root, as in CI.
+if ! command -v dnsmasq >/dev/null 2>&1 && [ ! -x /usr/sbin/dnsmasq ]; then
+    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "dnsmasq is missing" \
+        "as root: apt-get install dnsmasq-base (tests/integration/test_discovery.py needs it)"
+    echo "bootstrap: installing dnsmasq-base (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q dnsmasq-base >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q dnsmasq-base >/dev/null; } \
+        || fail "apt-get install dnsmasq-base failed" "read apt's error above; rerun 'make env'"
+fi
+
 install_spec() {
     "$PY" - <<'PYEOF'
 import json, tomllib
