@@ -163,6 +163,7 @@ def part_steps(args: argparse.Namespace, report: dict, link: dict | None) -> Non
         "calibration_file": str(path),
         "device_name": timing["device_name"],
         "points": timing["points"],
+        "failed_points": timing["failed_points"],
         "roofline_error": roofline["errors"],
         "accelerator": roofline["accelerator"],
         "seconds": time.monotonic() - started,
@@ -190,7 +191,8 @@ def print_summary(report: dict) -> None:
             f"{t['exposed_handoff_s'] * ms:.3f} ms |"
         )
         print(f"| planner: t_x + (L-1) max(0, t_x - t_c) | {t['planner_exposed_s'] * ms:.3f} ms |")
-        print(f"| measured / planner | {t['exposed_over_planner']:.2f} |")
+        ratio = t["exposed_over_planner"]
+        print(f"| measured / planner | {'-' if ratio is None else f'{ratio:.2f}'} |")
         print(
             f"| bytes checked, wrong (timed) | {t['all_bytes_checked']}, {t['timed_bytes_wrong']} |"
         )
@@ -236,19 +238,24 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": args.device, "argv": sys.argv[1:], "errors": {}}
     link = None
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        (args.out / "report.json").write_text(json.dumps(report, indent=2, default=_finite))
+
     if parts & {1, 2}:
         try:
             link = part_transfer(args, report)
         except Exception as exc:  # keep going: part 3 needs no NIXL
             logger.exception("parts 1/2 failed")
             report["errors"]["transfer"] = f"{type(exc).__name__}: {exc}"
+        save()
     if 3 in parts:
         try:
             part_steps(args, report, link)
         except Exception as exc:
             logger.exception("part 3 failed")
             report["errors"]["steps"] = f"{type(exc).__name__}: {exc}"
-    (args.out / "report.json").write_text(json.dumps(report, indent=2, default=_finite))
+        save()
     print_summary(report)
     return 1 if report["errors"] else 0
 

@@ -88,11 +88,25 @@ def time_steps(model_name: str, points: list[StepPoint], device: str) -> dict[st
     w_qkv = weight(h, q_dim + 2 * kv_dim)
     w_o, w_gate_up, w_down = weight(q_dim, h), weight(h, 2 * shape.mlp), weight(shape.mlp, h)
     gqa = heads != kv_heads
+    expand = {"kv": False}  # set once a lower-right causal SDPA refuses GQA: repeat KV heads
 
     def sdpa(q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False) -> Any:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
-        )
+        if expand["kv"] and mask is not None:
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        try:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+        except RuntimeError as exc:
+            if mask is None or not gqa or expand["kv"]:
+                raise
+            expand["kv"] = True
+            notes.append(
+                f"lower-right causal SDPA refused GQA ({exc}); KV heads repeated for prefill "
+                "after a cached context (slower than a GQA kernel)"
+            )
+            return sdpa(q, k, v, mask, causal)
 
     def step_fn(p: StepPoint):
         n, c, b, d = p.prefill_tokens, p.prefill_context, p.decode_seqs, p.decode_context
@@ -128,11 +142,14 @@ def time_steps(model_name: str, points: list[StepPoint], device: str) -> dict[st
     rows = []
     with torch.inference_mode():
         for p in points:
-            layer = step_fn(p)
-            timer(layer, 1)  # warm-up (kernel selection, allocator)
-            measured = statistics.median(timer(layer, RUNS))
-            rows.append({"kind": p.kind, **asdict(p), "measured_s": measured})
-            del layer
+            try:
+                layer = step_fn(p)
+                timer(layer, 1)  # warm-up (kernel selection, allocator)
+                measured = statistics.median(timer(layer, RUNS))
+                rows.append({"kind": p.kind, **asdict(p), "measured_s": measured})
+            except (RuntimeError, MemoryError) as exc:  # one point, not the whole grid
+                rows.append({"kind": p.kind, **asdict(p), "error": f"{type(exc).__name__}: {exc}"})
+            layer = None
             if device == "cuda":
                 torch.cuda.empty_cache()
     mem_bw = measure_copy_bandwidth(device)
@@ -190,6 +207,10 @@ def compare_roofline(timing: dict[str, Any], catalog_gpu: str | None) -> dict[st
         )
 
     unit = make_replica(Accelerator(name="unit", bf16_flops=1, mem_bytes_per_s=1, mem_bytes=1))
+    timing["failed_points"] = [p for p in timing["points"] if "error" in p]
+    timing["points"] = [p for p in timing["points"] if "error" not in p]
+    if not timing["points"]:
+        raise RuntimeError(f"no step point ran: {timing['failed_points'][:1]}")
     for p in timing["points"]:
         c = cost(p, unit)
         p["flops"], p["bytes"] = c.flops, c.bytes
@@ -241,7 +262,11 @@ def write_calibration(
         "model": timing["model"],
         "accelerator": acc,
         "transfer_link": link,  # two processes on one device: not a P->D link
-        "steps": {"shape": timing["shape"], "points": timing["points"]},
+        "steps": {
+            "shape": timing["shape"],
+            "points": timing["points"],
+            "failed_points": timing["failed_points"],
+        },
         "roofline_error": roofline["errors"],
         "notes": timing["notes"]
         + [

@@ -131,7 +131,7 @@ def _until(predicate, bound_s: float, what: str, poll=None) -> None:
 def run_sender(setup: Setup, out_path: Path) -> None:
     import torch
 
-    from splitserve.transfer.layer_poster import LayerPoster
+    from splitserve.transfer.layer_poster import LayerPoster, cuda_device
     from splitserve.transfer.sender import KVSender, StepUpdate
     from splitserve.transfer.side_channel import SideChannel
     from splitserve.transfer.state import TransferState
@@ -161,9 +161,13 @@ def run_sender(setup: Setup, out_path: Path) -> None:
         sender.layer_done(layer)
         posted[layer] = time.time()
 
+    # The connector's poster, as the worker builds it on a GPU (cuda: its own CUDA event of the
+    # stream and thread binding; cpu: the host stream's events); the race arm differs only in
+    # events that do not wait.
+    on_start = cuda_device(agent.layout.device_id) if setup.device == "cuda" else None
     posters = {
-        "event": LayerPoster(post_layer, lock, record_event=stream.record, name="poster-event"),
-        "nowait": LayerPoster(post_layer, lock, record_event=NoWait, name="poster-nowait"),
+        mode: LayerPoster(post_layer, lock, record_event=record, on_start=on_start, name=mode)
+        for mode, record in (("event", stream.record), ("nowait", NoWait))
     }
 
     def layer_work(layer: int, iteration: int):
@@ -326,6 +330,11 @@ def run_receiver(setup: Setup, script: Path, workdir: Path) -> dict[str, Any]:
             }
             if mode != "probe":
                 row.update(_check(torch, cache16, d_index, setup, iteration))
+            logger.info(
+                "transfer %s: DONE seen, %s bytes wrong",
+                tid,
+                row.get("bytes_wrong", "(probe, not checked)"),
+            )
             results.append(row)
         if child.wait(timeout=120) != 0:
             raise RuntimeError(f"sender exited with {child.returncode}")

@@ -19,7 +19,8 @@ Invariants:
 - Layers are posted in the order submitted, each once, each after its event completed.
 - ``drain`` returns only when every layer submitted before it was posted (or its post raised:
   the error is logged and re-raised by ``drain``, so a step never closes over a lost layer
-  silently).
+  silently). A failed ``on_start`` (binding the thread to the cache's device) is raised by
+  every ``drain``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ class CompletionEvent(Protocol):
     """What the poster waits on: returns once the work recorded before it has completed."""
 
     def synchronize(self) -> None: ...
+
+
+def cuda_device(index: int) -> Callable[[], None]:
+    """For ``on_start``: make the poster thread's current CUDA device the KV cache's, so the
+    transport's calls from this thread (UCX registers and copies through the CUDA driver) find
+    the right context; a new thread otherwise starts on device 0."""
+
+    def bind() -> None:
+        import torch
+
+        torch.cuda.set_device(index)
+
+    return bind
 
 
 def cuda_event() -> CompletionEvent:
@@ -57,13 +71,16 @@ class LayerPoster:
         lock: threading.Lock,
         *,
         record_event: Callable[[], CompletionEvent] = cuda_event,
+        on_start: Callable[[], None] | None = None,
         name: str = "splitserve-layer-poster",
     ) -> None:
+        self._on_start = on_start
         self._post_layer = post_layer
         self._lock = lock
         self._record_event = record_event
         self._queue: queue.Queue[tuple[int, CompletionEvent] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self._start_error: BaseException | None = None  # kept: every drain raises it
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -77,12 +94,20 @@ class LayerPoster:
         error, self._error = self._error, None
         if error is not None:
             raise error
+        if self._start_error is not None:
+            raise self._start_error
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception as exc:  # every drain reports it
+                logger.exception("layer poster thread set-up failed")
+                self._start_error = exc
         while True:
             item = self._queue.get()
             try:

@@ -80,3 +80,26 @@ def test_drain_reraises_a_failed_post_and_the_poster_goes_on():
         assert posted == [0, 2, 3]
     finally:
         poster.close()
+
+
+def test_a_failed_thread_set_up_is_raised_by_every_drain():
+    def on_start() -> None:
+        raise RuntimeError("no such device")
+
+    posted: list[int] = []
+    poster = LayerPoster(posted.append, threading.Lock(), record_event=Done, on_start=on_start)
+    try:
+        for layer in range(2):
+            poster.submit(layer)
+            with pytest.raises(RuntimeError, match="no such device"):
+                poster.drain()
+        assert posted == [0, 1]  # posting goes on: a wrong context fails the post visibly
+    finally:
+        poster.close()
+
+
+class Done:
+    """An event already complete (host memory: the write is done when the hook runs)."""
+
+    def synchronize(self) -> None:
+        return None

@@ -14,8 +14,10 @@ scheduler half).
 Device paths: on host memory (CPU) a layer's KV is written when its attention op returns, so
 ``save_kv_layer`` posts at once. On a GPU the attention kernels are asynchronous: the layer's
 completion is a CUDA event recorded on the current stream, and a sender thread waits for it
-before posting (``_GpuLayerPoster``); ``wait_for_save`` drains that thread before the step ends.
-The GPU path is written against vLLM's API and reviewed, not run (no GPU on our machines).
+before posting (``transfer.layer_poster.LayerPoster``, shared with ``benchmarks/gpu_proof.py``);
+``wait_for_save`` drains that thread before the step ends. The poster runs in the suite with
+host events (``gpu_proof --device cpu``); this GPU path inside vLLM is reviewed, not run (no GPU
+on our machines).
 
 State: one ``_Transfer`` record per transfer, keyed by ``(Side, transfer_id)`` (the ids the
 sender and receiver report back; the side because a ``kv_both`` server may be P and D of one
@@ -36,7 +38,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import queue
 import signal
 import threading
 import uuid
@@ -52,6 +53,7 @@ from splitserve.connectors.vllm.metadata import (
 from splitserve.connectors.vllm.stats import COUNTERS, HANDOFF, SplitserveKVConnectorStats
 from splitserve.transfer import strategy
 from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.layer_poster import LayerPoster, cuda_device
 from splitserve.transfer.layout import kv_layout_from_tensors
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender, StepUpdate
@@ -61,44 +63,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-class _GpuLayerPoster:
-    """Posts a layer's WRITEs once its CUDA event completed, from one sender thread."""
-
-    def __init__(self, post_layer, lock: threading.Lock) -> None:
-        self._post_layer = post_layer
-        self._lock = lock
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="splitserve-gpu-poster", daemon=True)
-        self._thread.start()
-
-    def submit(self, layer: int) -> None:
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        self._queue.put((layer, event))
-
-    def drain(self) -> None:
-        self._queue.join()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                layer, event = item
-                event.synchronize()
-                with self._lock:
-                    self._post_layer(layer)
-            finally:
-                self._queue.task_done()
 
 
 class Side(Enum):
@@ -146,7 +110,7 @@ class SplitserveWorker:
         self.receiver: KVReceiver | None = None
         self._layer_index: dict[str, int] = {}
         self._lock = threading.Lock()  # sender calls from the GPU poster thread vs this thread
-        self._gpu_poster: _GpuLayerPoster | None = None
+        self._gpu_poster: LayerPoster | None = None
         self._transfers: dict[tuple[Side, str], _Transfer] = {}
         self._outbox = _Outbox()
         self._stepping = False
@@ -181,7 +145,9 @@ class SplitserveWorker:
             abort_ack_timeout_s=self.config.abort_ack_timeout_s,
         )
         if layout.memory == "VRAM":
-            self._gpu_poster = _GpuLayerPoster(self.sender.layer_done, self._lock)
+            self._gpu_poster = LayerPoster(
+                self.sender.layer_done, self._lock, on_start=cuda_device(layout.device_id)
+            )
         logger.info(
             "SplitserveConnector worker: %d layers, %d blocks of %d tokens (%d bytes/block all "
             "layers), %s memory, side channel %s:%s (%s), transport %s, direction %s%s",
