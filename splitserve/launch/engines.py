@@ -39,6 +39,12 @@ CPU_VLLM_ENV = {
 }
 
 
+# vLLM's ``--middleware`` for servers with SplitserveConnector: refuses malformed
+# ``kv_transfer_params`` and a ``remote_host`` outside the connector's ``allowed_prefill_hosts``
+# with a 400 naming the field (``splitserve.connectors.vllm.middleware``; docs/security.md).
+SPLITSERVE_GUARD = "splitserve.connectors.vllm.middleware.PrefillTargetGuard"
+
+
 def vllm_server(
     model: str,
     port: int,
@@ -51,8 +57,10 @@ def vllm_server(
     cpu_core: int | None = None,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
+    middleware: Sequence[str] = (),
 ) -> ServerCommand:
-    """The OpenAI server of a stock vLLM.
+    """The OpenAI server of a stock vLLM (``middleware``: ASGI import paths vLLM adds to its
+    API server, e.g. ``SPLITSERVE_GUARD``).
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm`` console
     script of the CPU wheel is broken. On a CPU machine: fp32 (2.4x faster than bf16 without
@@ -76,6 +84,8 @@ def vllm_server(
         argv += ["--dtype", "float32", "--enforce-eager"]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    for path in middleware:
+        argv += ["--middleware", path]
     argv += list(extra_args)
     full_env = dict(CPU_VLLM_ENV) if cpu else {}
     if cpu and cpu_core is not None:

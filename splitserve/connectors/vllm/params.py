@@ -68,8 +68,8 @@ def _transfer_id(params: dict[str, Any], *, required: bool) -> str:
 
 
 def _flag(params: Any, key: str) -> bool:
-    """A boolean switch of the params; anything but a dict is refused (vLLM passes a
-    ``vllm_xargs`` entry named ``kv_transfer_params`` through as is, whatever its type)."""
+    """A boolean switch of the params; params that are not an object are refused (the field
+    reaches the engine untyped: ``vllm_xargs`` entries pass through as they are)."""
     if params is None:
         return False
     if not isinstance(params, dict):
