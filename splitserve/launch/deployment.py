@@ -40,7 +40,7 @@ from splitserve.launch.group import ServerGroup
 from splitserve.launch.secrets import DeploymentSecrets
 from splitserve.launch.supervisor import Supervisor
 from splitserve.models import PRESETS, ModelSpec, build_model
-from splitserve.netutil import free_port, port_in_use
+from splitserve.netutil import free_port, is_loopback, port_in_use
 
 if TYPE_CHECKING:
     from splitserve.proxy.config import ProxyConfig
@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+# A single-host deployment's D contacts only prefill side channels on loopback (unless the
+# connector settings name other hosts): a request naming any other remote_host gets a 400.
+LOOPBACK_PREFILL_HOSTS = ["127.0.0.0/8", "::1", "localhost"]
 
 
 @dataclass
@@ -113,6 +116,8 @@ def _kv_transfer_config(
         "side_channel_host": side_host,
         "side_channel_port": side_port,
     }
+    if is_loopback(side_host):  # every P of this deployment is on this host's loopback
+        extra.setdefault("allowed_prefill_hosts", list(LOOPBACK_PREFILL_HOSTS))
     cfg = {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
@@ -166,6 +171,8 @@ def server_command(
         cpu_core=cpu_core if dep.device == "cpu" else None,
         env={**kv_env, **(env or {})},
         python=python,
+        # the request guard refuses bad kv_transfer_params with a 400 (docs/security.md)
+        middleware=[engines.SPLITSERVE_GUARD] if dep.connector.name != "nixl" else [],
     )
 
 

@@ -172,3 +172,44 @@ def test_a_client_without_the_api_key_is_left_to_vllms_own_check():
         assert_refused(answer, "kv_transfer_params.remote_host")
         wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer no"})
         assert wrong.json()["reached"]
+
+
+def _up_servers(tmp_path, settings: dict | None = None, connector: str = "splitserve"):
+    from splitserve.config import parse_deployment
+    from splitserve.launch.deployment import plan_servers
+
+    dep = parse_deployment(
+        {
+            "model": {"preset": "tiny", "served_name": "tiny"},
+            "prefill": {"base_port": 9100, "side_channel_base_port": 9600},
+            "decode": {"base_port": 9200, "side_channel_base_port": 9700},
+            "connector": {"name": connector, "settings": settings or {}},
+            "proxy": {"port": 9000},
+        }
+    )
+    return plan_servers(dep, tmp_path)
+
+
+def _argv_value(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
+
+
+def test_up_starts_every_splitserve_server_with_the_guard_and_a_loopback_allowlist(tmp_path):
+    """``splitserve up``'s servers: the guard reads the very --kv-transfer-config the connector
+    reads, so the two walls allow the same hosts (loopback: where up's prefill servers are)."""
+    from splitserve.launch.engines import SPLITSERVE_GUARD
+
+    for server in _up_servers(tmp_path):
+        argv = server.command.argv
+        assert _argv_value(argv, "--middleware") == [SPLITSERVE_GUARD]
+        kv = json.loads(_argv_value(argv, "--kv-transfer-config")[0])
+        app = fake_vllm_app(kv["kv_connector_extra_config"])
+        with TestClient(app) as client:
+            assert post(client, {**D, "remote_host": "127.0.0.1"}).status_code == 200
+            refused = post(client, D)  # 10.0.0.5: not this host
+            assert_refused(refused, "kv_transfer_params.remote_host")
+    mine = _up_servers(tmp_path, {"allowed_prefill_hosts": ["10.0.0.0/8"]})[1].command.argv
+    kv = json.loads(_argv_value(mine, "--kv-transfer-config")[0])
+    assert kv["kv_connector_extra_config"]["allowed_prefill_hosts"] == ["10.0.0.0/8"]
+    for server in _up_servers(tmp_path, connector="nixl"):
+        assert "--middleware" not in server.command.argv
