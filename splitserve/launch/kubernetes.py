@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from splitserve.config import Deployment, DeploymentError, PoolSettings
 from splitserve.launch.deployment import proxy_port, server_command
-from splitserve.launch.kubernetes_settings import KubernetesSettings
+from splitserve.launch.kubernetes_settings import ENGINE_DEFAULTS, KubernetesSettings
 from splitserve.launch.secrets import ENGINE_API_KEY_ENV, needs_side_channel_key
 from splitserve.models import PRESETS, ModelSpec
 from splitserve.transfer.auth import KEY_FILE_ENV, generate_key
@@ -205,7 +205,7 @@ class _Builder:
             },
             *self.env_list(cmd.env),
         ]
-        res = getattr(k8s.resources, role)
+        res = getattr(k8s.resources, role) or ENGINE_DEFAULTS[dep.device]
         requests: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
         limits: dict[str, Any] = {"memory": res.memory}
         volumes = [self.keys_volume(), model_volume]

@@ -56,9 +56,19 @@ class Resources(_Strict):
         return v
 
 
+# Engine pods' defaults by device: a GPU server's host process still loads and stages weights.
+ENGINE_DEFAULTS = {
+    "cpu": Resources(cpu="2", memory="8Gi"),
+    "gpu": Resources(cpu="8", memory="64Gi"),
+}
+
+
 class PerComponent(_Strict):
-    prefill: Resources = Resources()
-    decode: Resources = Resources()
+    """Each component's pod resources; an engine pool left unset gets ``ENGINE_DEFAULTS`` of
+    the deployment's device."""
+
+    prefill: Resources | None = None
+    decode: Resources | None = None
     proxy: Resources = Resources(cpu="1", memory="1Gi")
 
 

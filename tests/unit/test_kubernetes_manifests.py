@@ -9,6 +9,7 @@ Update the golden files after a reviewed change with SPLITSERVE_UPDATE_GOLDEN=1.
 from __future__ import annotations
 
 import base64
+import json
 import os
 from pathlib import Path
 
@@ -116,6 +117,20 @@ def test_keys_only_in_the_secret_and_pods_read_them_from_it() -> None:
     assert build_manifests(dep).files["secret.yaml"][0]["data"] != secret["data"], "fresh keys"
 
 
+def _pod_view(argv: list[str]) -> tuple[list[str], dict]:
+    """argv without its interpreter and host, and its KV config without the addresses (the pod
+    binds every address and names its own IP; a loopback allowlist of prefill hosts is a
+    single-host deployment's)."""
+    argv = list(argv)
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    extra = kv.get("kv_connector_extra_config", {})
+    for key in ("side_channel_host", "allowed_prefill_hosts"):
+        extra.pop(key, None)
+    argv[argv.index("--kv-transfer-config") + 1] = "<kv>"
+    argv[argv.index("--host") + 1] = "<host>"
+    return argv[1:], kv
+
+
 @pytest.mark.parametrize("config", ["demo-cpu.yaml", "llama-70b-2p2d-gpu.yaml"])
 def test_engines_run_the_command_up_runs(config: str) -> None:
     """The pod's command is ``splitserve up``'s for server 0, with the pod's addresses."""
@@ -126,12 +141,10 @@ def test_engines_run_the_command_up_runs(config: str) -> None:
         argv = pod["containers"][0]["command"]
         model = argv[argv.index("--model") + 1]
         local = next(s for s in plan_servers(dep, model) if s.name == f"{role}-0")
-        want = [
-            a.replace("127.0.0.1", "$(POD_IP)" if a.startswith("{") else "0.0.0.0")
-            for a in local.command.argv
-        ]
-        want[0] = "python"
-        assert argv == want
+        assert argv[0] == "python" and argv[argv.index("--host") + 1] == "0.0.0.0"
+        kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector_extra_config"]["side_channel_host"] == "$(POD_IP)"
+        assert _pod_view(argv) == _pod_view(local.command.argv)
 
 
 def test_gpus_per_pod_follow_the_parallel_sizes() -> None:
