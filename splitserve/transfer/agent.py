@@ -169,6 +169,10 @@ class KVAgent:
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
+    def peer_names(self) -> list[str]:
+        """The agents loaded now (what pruning keeps bounded: ``peering``, ``recv_pull``)."""
+        return list(self._peers)
+
     def add_peer(self, agent_metadata: bytes, layout: KVLayout) -> str:
         """Load a peer's metadata and prepare its descriptor list; returns its agent name.
 
@@ -195,12 +199,15 @@ class KVAgent:
         return peer.layout if peer is not None else None
 
     def remove_peer(self, agent_name: str) -> None:
+        """Unload a peer: its descriptor list and its metadata (NIXL disconnects from it).
+        The caller makes sure no transfer with it is in flight."""
         with self._lock:
             peer = self._peers.pop(agent_name, None)
             if peer is None:
                 return
             peer.dlist.release()
             self._agent.remove_remote_agent(agent_name)
+        logger.debug("NIXL agent %s: peer %s unloaded", self.name, agent_name)
 
     # -- transfers ---------------------------------------------------------------------------
 

@@ -14,6 +14,10 @@ next engine step, and a DONE that arrives later is ignored.
 Invariants:
 - A failed READ or an invalid pull message fails the load through ``fail`` (ABORT to P, settled
   like a timeout); nothing is read for a transfer that is not REGISTERED or already ready.
+- A P's NIXL agent stays loaded only while a connection to it offers pull or a READ of ours
+  from it is in flight: when its connection is lost (``forget``) it is unloaded at the next
+  ``expire`` after its last READ settled, so a D that outlives many P restarts (a new agent
+  each) does not keep their metadata forever.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class PullReceiving:
         self._fail = fail  # ABORT to P, settled on its ABORT_ACK
         self._ready = ready
         self._peers: dict[PeerRef, str] = {}  # P that announces -> its NIXL agent name
+        self._unused: set[str] = set()  # agents loaded for a P no connection offers pull for
         # loads completed on P's FIRST_TOKEN, until P's DONE for them (if it was sent before
         # our PULLED reached P) arrives and is ignored, or the bound passes
         self._completed_early: dict[str, float] = {}
@@ -65,17 +70,21 @@ class PullReceiving:
         return peer in self._peers
 
     def forget(self, peer: PeerRef) -> None:
-        self._peers.pop(peer, None)
+        """``peer``'s connection is gone: its agent is unloaded once nothing reads from it."""
+        name = self._peers.pop(peer, None)
+        if name is not None:
+            self._unused.add(name)
 
     def on_hello_ack(self, peer: PeerRef, ack: messages.HelloAck) -> None:
         if ack.direction != "pull":
-            self._peers.pop(peer, None)
+            self.forget(peer)
             return
         try:
             if ack.agent_metadata is None or ack.layout is None:
                 raise ValueError("no agent metadata or layout")
             name = self.agent.add_peer(ack.agent_metadata, KVLayout.model_validate(ack.layout))
             if name != ack.agent_name:
+                self._unused.add(name)  # loaded, but not for this peer
                 raise ValueError(f"metadata names agent {name}, HELLO_ACK {ack.agent_name}")
         except Exception as exc:  # bad metadata or layout: no READ from this peer
             self.stats.messages_rejected += 1
@@ -156,10 +165,27 @@ class PullReceiving:
             self.stats.completed_on_first_token += 1
 
     def expire(self, now: float) -> None:
-        """Forget early completions whose late DONE can no longer come."""
+        """Forget early completions whose late DONE can no longer come; unload the agents of
+        Ps no connection offers pull for and no READ of ours still reads from."""
         for transfer_id, until in list(self._completed_early.items()):
             if now >= until:
                 del self._completed_early[transfer_id]
+        if self._unused:
+            self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        live = set(self._peers.values())
+        reading = {h.peer for inc in self._transfers.values() for h in inc.reads}
+        for name in list(self._unused):
+            if name in live:
+                self._unused.discard(name)  # offered pull again (a reconnection)
+            elif name not in reading:
+                self._unused.discard(name)
+                try:
+                    self.agent.remove_peer(name)
+                except Exception as exc:  # NIXL refused: keep it listed, try again later
+                    self._unused.add(name)
+                    logger.warning("receiver: could not unload agent %s: %s", name, exc)
 
     def _all_announced(self, inc: Incoming) -> bool:
         return len(inc.read_pairs) == inc.num_blocks * self.agent.layout.num_kv_layers
