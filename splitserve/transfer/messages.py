@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -82,8 +83,8 @@ class Hello(_Message):
     target: str | None = Field(
         None,
         max_length=300,
-        description="the sender's address as the receiver dialled it (host:port): with the "
-        "agent name it makes the connection's routing id (``routing_id``)",
+        description="the sender's address as the receiver dialled it (host:port); the "
+        "sender names it when it asks the agent to confirm a second connection (``Confirm``)",
     )
 
 
@@ -209,8 +210,37 @@ class FirstToken(_Message):
     )
 
 
+class Confirm(_Message):
+    """P -> D, over D's admitted connection: "a HELLO in your agent's name came on the
+    connection with this routing id (dialled as ``target``): is it yours?" (``peering``)."""
+
+    type: Literal["confirm"] = "confirm"
+    nonce: str = Field(min_length=16, max_length=64)
+    routing_id: str = Field(min_length=2, max_length=512, description="hex")
+    target: str | None = Field(None, max_length=300)
+
+
+class Confirmed(_Message):
+    """D -> P, the answer to ``Confirm``: ``owned`` when the routing id is one of D's own
+    connections (dialled to ``target`` when one was named)."""
+
+    type: Literal["confirmed"] = "confirmed"
+    nonce: str = Field(min_length=16, max_length=64)
+    owned: bool
+
+
 Message = Annotated[
-    Hello | HelloAck | Register | Done | Abort | AbortAck | Announce | Pulled | FirstToken,
+    Hello
+    | HelloAck
+    | Register
+    | Done
+    | Abort
+    | AbortAck
+    | Announce
+    | Pulled
+    | FirstToken
+    | Confirm
+    | Confirmed,
     Field(discriminator="type"),
 ]
 _MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
@@ -273,12 +303,10 @@ def _first_error(exc: ValidationError) -> str:
     return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"[:300]
 
 
-def routing_id(agent_name: str, target: str | None = None) -> bytes:
-    """The ZMQ routing id of the connection a receiver opens as ``agent_name`` to the address
-    ``target`` (``host:port``, as the receiver names the sender): the sender binds a HELLO to
-    it (a ROUTER admits one live connection per id), so a connection speaks only for the agent
-    it was opened for, and a HELLO replayed on another connection is refused while the agent's
-    own is alive. One agent may reach one sender by several addresses (one id each). Never
-    starts with a zero byte (ZMQ reserves those)."""
-    text = agent_name if target is None else f"{agent_name}\0{target}"
-    return b"ss:" + hashlib.sha256(text.encode()).digest()[:16]
+def new_routing_id() -> bytes:
+    """A fresh ZMQ routing id for one connection a receiver opens (one per address it dials,
+    kept for its process's life, so a reconnection hands the same id over). Random, so nobody
+    who has not seen the connection can speak on it: the sender binds an agent to the
+    connection that first said HELLO for it (``peering``). Never starts with a zero byte (ZMQ
+    reserves those)."""
+    return b"ss:" + secrets.token_bytes(16)

@@ -1,22 +1,40 @@
 """Which receiver a sender's connection speaks for: HELLO admission on P's side.
 
 Engine-agnostic; used by ``KVSender`` in the thread that drives it. A receiver's HELLO carries
-its NIXL metadata and KV layout; P admits it only on the connection whose ZMQ routing id is
-derived from the agent's name and the address it dialled (``messages.routing_id``), only if the
-metadata inside names that same agent, and only if its layout is compatible with ours (checked
-before anything is allocated for it: ``KVLayout.incompatibility``). From then on that
-connection may register transfers for that agent, and no other. docs/security.md says why.
+its NIXL metadata and KV layout; P admits it only if the metadata inside names the agent the
+HELLO claims, and only if its layout is compatible with ours (checked before anything is
+allocated for it: ``KVLayout.incompatibility``). From then on that connection (its ZMQ routing
+id) may register transfers for that agent, and no other connection may.
+
+Why the binding holds (docs/security.md, "Bound to a peer"): a receiver gives each address it
+dials its own random routing id (``messages.new_routing_id``), kept for the life of its process
+(a reconnection after a partition hands the same id over). Nobody else learns the id it uses
+towards us, so nobody else can speak on that connection. An agent is bound to ONE connection:
+a HELLO for an already admitted agent on another connection is admitted only when the agent
+itself confirms, over the connection already admitted, that the new one is its own
+(``Confirm`` / ``Confirmed``: the receiver checks the new routing id against its own sockets);
+a replayed HELLO on an attacker's connection gets no confirmation and is refused. While a
+confirmation is pending, what the new connection sends (its first REGISTER, pipelined behind
+the HELLO) waits here, in order, bounded. When the admitted connection is gone (a send to it
+finds no such peer: ``lost``), its binding is dropped and a connection waiting on it is bound.
 
 Invariants:
 - ``agent_of`` answers an agent only for a connection whose HELLO was admitted.
+- One connection per agent at a time, except those the agent confirmed itself.
 - A refused HELLO is answered with ``Abort(transfer_id="*")`` naming the reason, counted, and
   logged once per peer (a hostile peer cannot flood the log).
+- Nothing waits forever: a confirmation not answered within ``confirm_timeout_s`` refuses the
+  connection and hands its held messages back to be refused.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
@@ -25,6 +43,24 @@ from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.side_channel import PeerRef, SideChannel
 
 logger = logging.getLogger(__name__)
+
+MAX_HELD_MESSAGES = 1024  # per connection awaiting confirmation
+MAX_PENDING = 256  # connections awaiting confirmation at once
+
+# Messages a connection sent while its confirmation was pending, released in order when it is
+# settled: the caller handles each as if it had just arrived (an unbound connection's REGISTER
+# is then refused as any other).
+Held = list[tuple[PeerRef, messages.Message]]
+
+
+@dataclass
+class _Pending:
+    """A connection whose HELLO names an agent already bound elsewhere: asked, not yet known."""
+
+    agent_name: str
+    nonce: str
+    deadline: float
+    held: list[messages.Message] = field(default_factory=list)
 
 
 class PeerAdmission:
@@ -36,44 +72,131 @@ class PeerAdmission:
         channel: SideChannel,
         hello_ack: Callable[[], messages.HelloAck],
         on_refused: Callable[[], None],
+        *,
+        confirm_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent = agent
         self.channel = channel
         self._hello_ack = hello_ack
         self._on_refused = on_refused
+        self.confirm_timeout_s = confirm_timeout_s
+        self.clock = clock
         self._agents: dict[bytes, str] = {}  # ROUTER identity -> admitted agent name
+        self._home: dict[str, bytes] = {}  # agent -> the connection it was first admitted on
+        self._pending: dict[bytes, _Pending] = {}
         self._log = PeerLog(logger)
 
     def agent_of(self, peer: PeerRef) -> str | None:
         """The agent ``peer``'s connection was admitted for (None: no valid HELLO on it)."""
         return self._agents.get(peer.inbound or b"")
 
+    def hold(self, peer: PeerRef, message: messages.Message) -> bool:
+        """Keep ``message`` until ``peer``'s confirmation is settled; False when ``peer`` awaits
+        none (the caller handles the message now)."""
+        pending = self._pending.get(peer.inbound or b"")
+        if pending is None:
+            return False
+        if len(pending.held) >= MAX_HELD_MESSAGES:
+            return False  # the caller refuses it: a connection may not queue without bound
+        pending.held.append(message)
+        return True
+
     def on_hello(self, peer: PeerRef, hello: messages.Hello) -> None:
-        if peer.inbound is None or peer.inbound != messages.routing_id(
-            hello.agent_name, hello.target
-        ):
-            self._refuse(peer, hello, "the connection does not belong to this agent")
+        """Admit ``peer``'s connection, ask the agent to confirm it, or refuse it."""
+        if peer.inbound is None:
+            self._refuse(peer, hello.agent_name, "a HELLO must come on an inbound connection")
             return
         try:
             layout = KVLayout.model_validate(hello.layout)
             name = self.agent.add_peer(hello.agent_metadata, layout)
         except Exception as exc:  # bad metadata or layout: refuse this peer, keep serving
-            self._refuse(peer, hello, str(exc)[:300])
+            self._refuse(peer, hello.agent_name, str(exc)[:300])
             return
         if name != hello.agent_name:
-            self._refuse(peer, hello, f"its metadata names agent {name[:128]!r}")
+            self._refuse(peer, hello.agent_name, f"its metadata names agent {name[:128]!r}")
             return
-        self.admit(peer, name)
-        self.channel.send(peer, self._hello_ack())
+        bound = self._agents.get(peer.inbound)
+        if bound is not None and bound != name:
+            self._refuse(peer, name, f"this connection speaks for agent {bound!r}")
+            return
+        home = self._home.get(name)
+        if home is None or home == peer.inbound or bound == name:
+            self.admit(peer, name)
+            self.channel.send(peer, self._hello_ack())
+            return
+        if peer.inbound in self._pending:
+            return  # a repeated HELLO while asking: the question stands
+        if len(self._pending) >= MAX_PENDING:
+            self._refuse(peer, name, "too many connections awaiting confirmation")
+            return
+        nonce = secrets.token_hex(16)
+        self._pending[peer.inbound] = _Pending(name, nonce, self.clock() + self.confirm_timeout_s)
+        ask = messages.Confirm(nonce=nonce, routing_id=peer.inbound.hex(), target=hello.target)
+        self.channel.send(PeerRef(inbound=home), ask)  # gone? the channel reports it: ``lost``
+
+    def on_confirmed(self, peer: PeerRef, answer: messages.Confirmed) -> Held:
+        """The agent answered over its admitted connection ``peer``: bind or refuse the
+        connection it was asked about."""
+        name = self.agent_of(peer)
+        for inbound, pending in list(self._pending.items()):
+            if pending.agent_name == name and hmac.compare_digest(pending.nonce, answer.nonce):
+                return self._settle(inbound, confirmed=answer.owned)
+        self._log.warn(str(peer), "confirmed", "unexpected CONFIRMED from %s: ignored", peer)
+        return []
+
+    def expire(self) -> Held:
+        """Refuse connections whose confirmation did not come in time."""
+        now = self.clock()
+        out: Held = []
+        for inbound, pending in list(self._pending.items()):
+            if now >= pending.deadline:
+                out += self._settle(inbound, confirmed=False)
+        return out
+
+    def lost(self, peer: PeerRef) -> Held:
+        """``peer``'s connection is gone (a send found no such peer): drop its binding. A
+        connection that was waiting for the gone one's confirmation is bound now (nothing
+        competes for the agent any more); returns what it sent meanwhile, to handle."""
+        inbound = peer.inbound or b""
+        self._pending.pop(inbound, None)
+        name = self._agents.pop(inbound, None)
+        if name is None or self._home.get(name) != inbound:
+            return []
+        del self._home[name]
+        for other, other_name in self._agents.items():  # another confirmed one becomes home
+            if other_name == name:
+                self._home[name] = other
+                return []
+        for waiting, pending in list(self._pending.items()):
+            if pending.agent_name == name:  # the first becomes home; others wait for theirs
+                return self._settle(waiting, confirmed=True)
+        return []
 
     def admit(self, peer: PeerRef, agent_name: str) -> None:
         """Bind ``peer``'s connection to ``agent_name`` (what an accepted HELLO does)."""
         assert peer.inbound is not None
         self._agents[peer.inbound] = agent_name
+        self._home.setdefault(agent_name, peer.inbound)
 
-    def _refuse(self, peer: PeerRef, hello: messages.Hello, reason: str) -> None:
+    def _settle(self, inbound: bytes, confirmed: bool) -> Held:
+        pending = self._pending.pop(inbound)
+        peer = PeerRef(inbound=inbound)
+        if confirmed:
+            self.admit(peer, pending.agent_name)
+            self.channel.send(peer, self._hello_ack())
+        else:
+            self._refuse(
+                peer,
+                pending.agent_name,
+                "the agent is bound to another connection and did not confirm this one "
+                "(a replayed HELLO?)",
+            )
+        return [(peer, message) for message in pending.held]
+
+    def _refuse(self, peer: PeerRef, agent_name: str, reason: str) -> None:
         self._on_refused()
         self._log.warn(
-            str(peer), "hello", "refusing HELLO from %s (%s): %s", peer, hello.agent_name, reason
+            str(peer), "hello", "refusing HELLO from %s (%s): %s", peer, agent_name, reason
         )
         self.channel.send(peer, messages.Abort(transfer_id="*", reason=f"hello: {reason}"))

@@ -67,8 +67,6 @@ class KVReceiver:
     ) -> None:
         self.agent = agent
         self.channel = channel
-        # Our connections speak for our agent only: the sender binds our HELLO to this id.
-        channel.agent_name = agent.name
         self.done_timeout_s = done_timeout_s
         self.abort_ack_timeout_s = abort_ack_timeout_s
         self.clock = clock
@@ -315,12 +313,32 @@ class KVReceiver:
             self._pull.on_first_token(peer, message)
         elif isinstance(message, (messages.Abort, messages.AbortAck)):
             self._on_abort(peer, message)
+        elif isinstance(message, messages.Confirm):
+            self._on_confirm(peer, message)
         else:
             logger.warning("receiver: unexpected %s from %s", message.type, peer)
+
+    def _on_confirm(self, peer: PeerRef, ask: messages.Confirm) -> None:
+        """P asks whether another connection speaking for our agent is ours (``peering``):
+        only our side channel knows the routing ids it dials with."""
+        try:
+            routing_id = bytes.fromhex(ask.routing_id)
+        except ValueError:
+            routing_id = b""
+        owned = bool(routing_id) and self.channel.owns(routing_id, ask.target)
+        if not owned:
+            logger.warning(
+                "receiver: %s asked about a connection in our name that is not ours (%s): "
+                "someone replayed our HELLO; answered no",
+                peer,
+                ask.target,
+            )
+        self.channel.send(peer, messages.Confirmed(nonce=ask.nonce, owned=owned))
 
     def _on_abort(self, peer: PeerRef, message: messages.Abort | messages.AbortAck) -> None:
         transfer_id = message.transfer_id
         if transfer_id == "*" and isinstance(message, messages.Abort):  # P refused our HELLO
+            self._hello_sent.discard(peer)  # the next load to this P says HELLO again
             for inc in list(self._transfers.values()):
                 if inc.peer == peer and inc.outcome is None:
                     self._fail(inc, f"prefill side refused: {message.reason}")

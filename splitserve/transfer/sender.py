@@ -71,10 +71,10 @@ from splitserve.transfer.outgoing import (
     registration_problem,
     stalled,
 )
-from splitserve.transfer.peering import PeerAdmission
+from splitserve.transfer.peering import Held, PeerAdmission
 from splitserve.transfer.send_pull import PullSending
 from splitserve.transfer.send_push import PushSending
-from splitserve.transfer.side_channel import PeerRef, SideChannel
+from splitserve.transfer.side_channel import PeerLost, PeerRef, SideChannel
 from splitserve.transfer.state import Transfer, TransferState
 from splitserve.transfer.strategy import Direction
 
@@ -121,7 +121,7 @@ class KVSender:
         self._orphans: dict[str, _Orphan] = {}
         self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
         self.peers = PeerAdmission(
-            agent, channel, self.strategy.hello_ack, self._count_refused_hello
+            agent, channel, self.strategy.hello_ack, self._count_refused_hello, clock=clock
         )
         self._in_step: list[Outgoing] = []
         self._layers_seen: set[int] = set()
@@ -407,18 +407,32 @@ class KVSender:
 
     def _process_inbox(self) -> None:
         for event in self.channel.receive_bound():
-            message, peer = event.message, event.peer
-            if isinstance(message, messages.Hello):
-                self.peers.on_hello(peer, message)
-            elif isinstance(message, messages.Register):
-                self.stats.registrations_received += 1
-                self._on_register(peer, message)
-            elif isinstance(message, messages.Abort):
-                self._on_abort(peer, message)
-            elif isinstance(message, messages.Pulled):
-                self._on_pulled(peer, message)
+            if isinstance(event, PeerLost):
+                self._dispatch_all(self.peers.lost(event.peer))
             else:
-                logger.warning("sender: unexpected %s from %s", message.type, peer)
+                self._dispatch(event.peer, event.message)
+        self._dispatch_all(self.peers.expire())
+
+    def _dispatch_all(self, held: Held) -> None:
+        for peer, message in held:
+            self._dispatch(peer, message)
+
+    def _dispatch(self, peer: PeerRef, message: messages.Message) -> None:
+        if isinstance(message, messages.Hello):
+            self.peers.on_hello(peer, message)
+        elif isinstance(message, messages.Confirmed):
+            self._dispatch_all(self.peers.on_confirmed(peer, message))
+        elif self.peers.hold(peer, message):
+            return  # its connection awaits the agent's confirmation (``peering``)
+        elif isinstance(message, messages.Register):
+            self.stats.registrations_received += 1
+            self._on_register(peer, message)
+        elif isinstance(message, messages.Abort):
+            self._on_abort(peer, message)
+        elif isinstance(message, messages.Pulled):
+            self._on_pulled(peer, message)
+        else:
+            logger.warning("sender: unexpected %s from %s", message.type, peer)
 
     def _on_register(self, peer: PeerRef, reg: messages.Register) -> None:
         transfer_id = reg.transfer_id

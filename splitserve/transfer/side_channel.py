@@ -153,7 +153,7 @@ class SideChannel:
         # Two inboxes, one per role: what arrives on the bound ROUTER (peers that contact us:
         # the sender's side) and what arrives on our DEALERs (answers from peers we contacted,
         # and their loss: the receiver's side). Each role drains only its own.
-        self._inbox_bound: collections.deque[Inbound] = collections.deque()
+        self._inbox_bound: collections.deque[Inbound | PeerLost] = collections.deque()
         self._inbox_connected: collections.deque[Inbound | PeerLost] = collections.deque()
         self._wake_lock = threading.Lock()
         self._wake_addr = f"inproc://wake-{id(self)}"
@@ -170,10 +170,10 @@ class SideChannel:
         # transfer id -> receiver a FIRST_TOKEN is forwarded to (set/cleared by the sender's
         # thread, read by the I/O thread: single dict operations, atomic under the GIL)
         self._first_token_routes: dict[str, PeerRef] = {}
-        # The agent our connections speak for (a receiver sets its own): each connection's
-        # routing id is derived from it and the address dialled (``messages.routing_id``), and
-        # the sender binds HELLO to it. None: ZMQ picks random ids.
-        self.agent_name: str | None = None
+        # The routing id of each address we dial: random, kept for the process's life, so a
+        # reconnection hands the same id over and nobody else can speak on our connection
+        # (the sender binds our agent to it: ``peering``). Written by the I/O thread only.
+        self._routing_ids: dict[tuple[str, int], bytes] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=name, daemon=True)
         self._thread.start()
@@ -198,8 +198,17 @@ class SideChannel:
         else:
             self._first_token_routes[transfer_id] = peer
 
-    def receive_bound(self) -> list[Inbound]:
-        """Messages from peers that contacted us (on the bound socket) since the last call."""
+    def owns(self, routing_id: bytes, target: str | None = None) -> bool:
+        """True when ``routing_id`` is the id of a connection we dial (to ``target``, given as
+        ``host:port``, when named): how a receiver answers a sender's ``Confirm``."""
+        for (host, port), ours in list(self._routing_ids.items()):
+            if ours == routing_id and (target is None or target == f"{host}:{port}"):
+                return True
+        return False
+
+    def receive_bound(self) -> list[Inbound | PeerLost]:
+        """Messages from peers that contacted us (on the bound socket) since the last call,
+        and ``PeerLost`` for a peer a reply found gone."""
         return self._drain(self._inbox_bound)
 
     def receive_connected(self) -> list[Inbound | PeerLost]:
@@ -251,6 +260,9 @@ class SideChannel:
         # A receiver that reconnects (after a partition, before our side noticed the old
         # connection is dead) takes its routing id over instead of being refused until then.
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A reply to a routing id with no connection raises instead of vanishing: the sender
+        # learns that peer is gone (``PeerLost`` in ``receive_bound``) and drops its binding.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self._curve is not None:
             self._authenticator = start_authenticator(self._ctx, self._curve, self._peer_log)
             self._curve.apply_server(router)
@@ -269,9 +281,8 @@ class SideChannel:
             self._common_options(sock)
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.connect_timeout_s * 1000))
-            if self.agent_name is not None:
-                identity = messages.routing_id(self.agent_name, f"{host}:{port}")
-                sock.setsockopt(zmq.ROUTING_ID, identity)
+            identity = self._routing_ids.setdefault((host, port), messages.new_routing_id())
+            sock.setsockopt(zmq.ROUTING_ID, identity)
             if self._curve is not None:
                 self._curve.apply_client(sock)
             monitor = sock.get_monitor_socket(
@@ -464,10 +475,14 @@ class SideChannel:
                 if self._router is None:
                     logger.error("side channel: reply to %s without a bound socket", peer)
                     continue
-                try:  # a ROUTER drops (never blocks) when the peer's queue is full or gone
+                try:  # never blocks: a full queue or a gone peer drops the reply
                     self._router.send_multipart([peer.inbound, wire], zmq.NOBLOCK)
                 except zmq.Again:
                     logger.warning("side channel: dropped a reply to %s (queue full)", peer)
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EHOSTUNREACH:
+                        raise
+                    self._inbox_bound.append(PeerLost(peer, "connection gone"))
                 continue
             assert peer.host is not None and peer.port is not None
             dealer = self._dealer(peer.host, peer.port)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.side_channel import Inbound
+from splitserve.transfer.side_channel import Inbound, PeerLost
 
 
 class FakeHandle:
@@ -112,10 +112,14 @@ class FakeChannel:
         self.inbox: list = []
         self.sent: list = []
         self.routes: dict = {}
+        self.owned: set = set()  # (routing id, target) pairs ``owns`` answers True for
 
     @staticmethod
     def _bound(event) -> bool:
-        return isinstance(event, Inbound) and bool(event.peer.inbound)
+        return isinstance(event, Inbound | PeerLost) and bool(event.peer.inbound)
+
+    def owns(self, routing_id: bytes, target: str | None = None) -> bool:
+        return (routing_id, target) in self.owned or (routing_id, None) in self.owned
 
     def receive_bound(self) -> list:
         out = [e for e in self.inbox if self._bound(e)]

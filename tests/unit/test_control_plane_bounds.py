@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 
 import pytest
@@ -91,31 +92,106 @@ def _hello_sender():
 
     agent, channel = FakeAgent(LAYOUT), FakeChannel()
     agent.peer_name = "D1"
-    sender = KVSender(agent, channel, lease_s=10.0)
+    clock = itertools.count().__next__  # every call is one second later
+    sender = KVSender(agent, channel, lease_s=10.0, clock=lambda: float(clock()))
     return sender, agent, channel, LAYOUT
+
+
+def _test_layout():
+    from transfer_steps import LAYOUT
+
+    return LAYOUT
 
 
 def _hello(name: str, layout) -> messages.Hello:
     return messages.Hello(agent_name=name, agent_metadata=b"m", layout=layout.model_dump())
 
 
+D1 = b"ss:d1-connection"
+MALLORY = b"ss:mallory-connection"
+
+
+def _steal() -> messages.Register:
+    return messages.Register(transfer_id="x", agent_name="D1", block_ids=[[1, 2]], token_offset=0)
+
+
+def _replayed(layout, answer: bool | None):
+    """D1 is admitted; its HELLO is replayed on another connection with a REGISTER behind it;
+    D1 answers P's question with ``answer`` (None: never)."""
+    from splitserve.transfer.side_channel import Inbound, PeerRef
+
+    sender, agent, channel, _ = _hello_sender()
+    d1, mallory = PeerRef(inbound=D1), PeerRef(inbound=MALLORY)
+    channel.inbox.append(Inbound(d1, _hello("D1", layout)))
+    channel.inbox.append(Inbound(mallory, _hello("D1", layout)))  # D1's HELLO, replayed
+    channel.inbox.append(Inbound(mallory, _steal()))
+    sender.poll()
+    (ask,) = [m for peer, m in channel.sent if peer == d1 and isinstance(m, messages.Confirm)]
+    assert bytes.fromhex(ask.routing_id) == MALLORY
+    assert sender.registration_of("x") is None, "held until D1 answers"
+    if answer is not None:
+        channel.inbox.append(Inbound(d1, messages.Confirmed(nonce=ask.nonce, owned=answer)))
+        sender.poll()
+    else:
+        for _ in range(8):  # past confirm_timeout_s (the test clock: one second a call)
+            sender.poll()
+    return sender, channel, d1, mallory
+
+
 def test_a_hello_replayed_on_another_connection_is_refused_and_its_register_too() -> None:
+    sender, channel, d1, mallory = _replayed(_test_layout(), answer=False)
+    to_mallory = [m for peer, m in channel.sent if peer == mallory]
+    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort"]
+    assert "did not confirm" in to_mallory[0].reason and "HELLO" in to_mallory[1].reason
+    assert [type(m).__name__ for peer, m in channel.sent if peer == d1] == ["HelloAck", "Confirm"]
+    assert sender.registration_of("x") is None
+
+
+def test_a_replayed_hello_that_nobody_confirms_is_refused_within_the_timeout() -> None:
+    sender, channel, _, mallory = _replayed(_test_layout(), answer=None)
+    to_mallory = [m for peer, m in channel.sent if peer == mallory]
+    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort"]
+    assert sender.registration_of("x") is None
+
+
+def test_a_second_connection_the_agent_confirms_is_served_with_what_it_sent_meanwhile() -> None:
+    """One agent may reach a sender by two addresses (a host name and an address; a relay):
+    the second connection is admitted once the agent confirms it over the first."""
+    sender, channel, _, second = _replayed(_test_layout(), answer=True)
+    assert [type(m).__name__ for peer, m in channel.sent if peer == second] == ["HelloAck"]
+    assert sender.registration_of("x") is not None, "the held REGISTER was handled"
+
+
+def test_when_the_admitted_connection_is_gone_the_waiting_one_is_bound() -> None:
+    from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef
+
+    sender, agent, channel, layout = _hello_sender()
+    old, new = PeerRef(inbound=D1), PeerRef(inbound=b"ss:d1-after-restart-of-its-route")
+    channel.inbox.append(Inbound(old, _hello("D1", layout)))
+    channel.inbox.append(Inbound(new, _hello("D1", layout)))
+    channel.inbox.append(Inbound(new, _steal()))
+    sender.poll()
+    channel.inbox.append(PeerLost(old, "connection gone"))  # the Confirm found no such peer
+    sender.poll()
+    assert [type(m).__name__ for peer, m in channel.sent if peer == new] == ["HelloAck"]
+    assert sender.peers.agent_of(new) == "D1" and sender.peers.agent_of(old) is None
+    assert sender.registration_of("x") is not None
+
+
+def test_a_connection_may_not_switch_agents() -> None:
     from splitserve.transfer.side_channel import Inbound, PeerRef
 
     sender, agent, channel, layout = _hello_sender()
-    d1 = PeerRef(inbound=messages.routing_id("D1"))
-    mallory = PeerRef(inbound=messages.routing_id("mallory"))
+    d1 = PeerRef(inbound=D1)
     channel.inbox.append(Inbound(d1, _hello("D1", layout)))
-    channel.inbox.append(Inbound(mallory, _hello("D1", layout)))  # D1's HELLO, replayed
-    steal = messages.Register(transfer_id="x", agent_name="D1", block_ids=[[1, 2]], token_offset=0)
-    channel.inbox.append(Inbound(mallory, steal))
     sender.poll()
-    to_mallory = [m for peer, m in channel.sent if peer == mallory]
-    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort"]
-    assert "does not belong" in to_mallory[0].reason and "HELLO" in to_mallory[1].reason
-    assert [type(m).__name__ for peer, m in channel.sent if peer == d1] == ["HelloAck"]
-    assert agent.peers_added == [b"m"], "the replayed HELLO was not even loaded"
-    assert sender.registration_of("x") is None
+    agent.peer_name = "D2"
+    channel.inbox.append(Inbound(d1, _hello("D2", layout)))
+    sender.poll()
+    kinds = [(type(m).__name__, getattr(m, "reason", "")) for _, m in channel.sent]
+    assert kinds[0][0] == "HelloAck" and kinds[1][0] == "Abort"
+    assert "speaks for agent 'D1'" in kinds[1][1]
+    assert sender.peers.agent_of(d1) == "D1"
 
 
 def test_a_hello_whose_metadata_names_another_agent_is_refused() -> None:
@@ -123,7 +199,7 @@ def test_a_hello_whose_metadata_names_another_agent_is_refused() -> None:
 
     sender, agent, channel, layout = _hello_sender()
     agent.peer_name = "D2"  # the metadata inside is another agent's
-    peer = PeerRef(inbound=messages.routing_id("D1"))
+    peer = PeerRef(inbound=D1)
     channel.inbox.append(Inbound(peer, _hello("D1", layout)))
     sender.poll()
     (answer,) = [m for _, m in channel.sent]
@@ -134,8 +210,8 @@ def test_only_the_registrant_withdraws_an_early_registration() -> None:
     from splitserve.transfer.side_channel import Inbound, PeerRef
 
     sender, agent, channel, layout = _hello_sender()
-    d1 = PeerRef(inbound=messages.routing_id("D1"))
-    other = PeerRef(inbound=messages.routing_id("D9"))
+    d1 = PeerRef(inbound=D1)
+    other = PeerRef(inbound=b"ss:d9")
     channel.inbox.append(Inbound(d1, _hello("D1", layout)))
     reg = messages.Register(transfer_id="t", agent_name="D1", block_ids=[[1]], token_offset=0)
     channel.inbox.append(Inbound(d1, reg))  # before P has the request: kept as an orphan
@@ -155,10 +231,11 @@ def test_a_reconnecting_receiver_takes_its_routing_id_over() -> None:
 
     p = SideChannel("127.0.0.1", 0, None, name="test-p")
     ctx = zmq.Context()
+    identity = messages.new_routing_id()
     try:
         for text in (b"\x00first", b"\x00second"):
             dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.ROUTING_ID, messages.routing_id("D1", "p:1"))
+            dealer.setsockopt(zmq.ROUTING_ID, identity)
             dealer.connect(f"tcp://127.0.0.1:{p.bound_port}")
             dealer.send(text)
             time.sleep(0.3)
@@ -169,6 +246,51 @@ def test_a_reconnecting_receiver_takes_its_routing_id_over() -> None:
     finally:
         ctx.destroy(0)
         p.close()
+
+
+def test_a_reply_to_a_gone_connection_reports_it_lost_and_a_receiver_knows_its_own_ids() -> None:
+    """Real ZMQ both sides: P's reply to a routing id with no connection comes back as
+    ``PeerLost`` (so its binding is dropped), and a receiver's channel answers ``owns`` only
+    for the random id it dials an address with."""
+    import time
+
+    from splitserve.transfer.side_channel import PeerLost, PeerRef, SideChannel
+
+    p = SideChannel("127.0.0.1", 0, None, name="test-p")
+    d = SideChannel(None, None, None, name="test-d")
+    try:
+        p.send(PeerRef(inbound=b"ss:nobody"), messages.AbortAck(transfer_id="t"))
+        target = PeerRef(host="127.0.0.1", port=p.bound_port)
+        d.send(target, messages.Abort(transfer_id="t", reason="r"))
+        events: list = []
+        end = time.monotonic() + 5
+        while len(events) < 2 and time.monotonic() < end:
+            events += p.receive_bound()
+            time.sleep(0.02)
+        lost = [e for e in events if isinstance(e, PeerLost)]
+        assert [e.peer.inbound for e in lost] == [b"ss:nobody"]
+        (arrived,) = [e for e in events if not isinstance(e, PeerLost)]
+        ours = arrived.peer.inbound
+        assert d.owns(ours) and d.owns(ours, f"127.0.0.1:{p.bound_port}")
+        assert not d.owns(ours, "127.0.0.1:1") and not d.owns(messages.new_routing_id())
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_receiver_answers_a_confirm_from_its_own_routing_ids() -> None:
+    from transfer_steps import P_ADDR, pull_receiver
+
+    from splitserve.transfer.side_channel import Inbound
+
+    receiver, agent, channel, _ = pull_receiver()
+    channel.owned.add((b"ss:mine", "127.0.0.1:1"))
+    for routing_id, target in ((b"ss:mine", "127.0.0.1:1"), (b"ss:theirs", "127.0.0.1:1")):
+        ask = messages.Confirm(nonce="n" * 32, routing_id=routing_id.hex(), target=target)
+        channel.inbox.append(Inbound(P_ADDR, ask))
+    receiver.poll()
+    answers = [m.owned for _, m in channel.sent if isinstance(m, messages.Confirmed)]
+    assert answers == [True, False]
 
 
 # -- deadlines: no state waits forever for a transport gone silent ------------------------------
@@ -227,23 +349,3 @@ def test_reads_of_an_ended_load_that_never_settle_are_cancelled_and_the_load_set
     assert not outcomes["t"].ok and "READ" in outcomes["t"].reason
     assert receiver.stats.reads_cancelled == 1
     assert getattr(agent.posted[1], "released", False)
-
-
-def test_one_agent_may_reach_a_sender_by_two_addresses() -> None:
-    """Each address an agent dials gets its own routing id (a sender named by host name and by
-    address is two connections, both served); a HELLO still binds to the one it names."""
-    from splitserve.transfer.side_channel import Inbound, PeerRef
-
-    sender, agent, channel, layout = _hello_sender()
-    targets = ("p0.pool:5600", "10.0.0.7:5600")
-    assert messages.routing_id("D1", targets[0]) != messages.routing_id("D1", targets[1])
-    for target in targets:
-        peer = PeerRef(inbound=messages.routing_id("D1", target))
-        hello = _hello("D1", layout).model_copy(update={"target": target})
-        channel.inbox.append(Inbound(peer, hello))
-    wrong = PeerRef(inbound=messages.routing_id("D1", targets[0]))
-    hello = _hello("D1", layout).model_copy(update={"target": targets[1]})
-    channel.inbox.append(Inbound(wrong, hello))  # names the other address: not its connection
-    sender.poll()
-    kinds = [type(m).__name__ for _, m in channel.sent]
-    assert kinds == ["HelloAck", "HelloAck", "Abort"]

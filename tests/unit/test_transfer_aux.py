@@ -40,7 +40,7 @@ LAYOUT = KVLayout(
     ),
     aux_layers=2,
 )
-PEER = PeerRef(inbound=messages.routing_id("D"))
+PEER = PeerRef(inbound=b"ss:D")
 
 
 def make_sender():

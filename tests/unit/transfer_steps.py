@@ -23,7 +23,7 @@ B = 16
 LAYERS = 3
 NUM_BLOCKS = 64
 LAYOUT = kv_layout_from_tensors([torch.zeros(2, NUM_BLOCKS, 1, B, 4)] * LAYERS, NUM_BLOCKS, B)
-PEER = PeerRef(inbound=messages.routing_id("D"))  # D, as P's bound socket sees it
+PEER = PeerRef(inbound=b"ss:D")  # D, as P's bound socket sees it
 P_ADDR = PeerRef(host="127.0.0.1", port=1)  # P, as D's connecting socket sees it
 
 
