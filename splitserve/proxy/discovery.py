@@ -49,7 +49,7 @@ from splitserve.proxy.discovery_config import (
     check_endpoints,
     parse_nameserver,
 )
-from splitserve.proxy.routing import Backend, Pool
+from splitserve.proxy.routing import PENDING, Backend, Pool
 
 if TYPE_CHECKING:
     from splitserve.proxy.health import HealthChecker, HealthTracker
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
-PENDING = "pending"  # ``Backend.ejected_by`` of a discovered server not admitted yet
 _ENDPOINT = {"prefill": PrefillEndpoint, "decode": DecodeEndpoint}
 
 

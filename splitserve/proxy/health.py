@@ -40,6 +40,7 @@ from splitserve.proxy.routing import (
     HEALTH_CHECK,
     HEALTH_TIMEOUT,
     OUTLIER,
+    PENDING,
     Backend,
 )
 
@@ -109,6 +110,7 @@ class HealthTracker:
                 not backend.healthy
                 and backend.consecutive_successes >= self.settings.successes_to_readmit
                 and not self._held(backend)
+                and backend.ejected_by != PENDING
             ):
                 self._readmit(backend, "health check passed")
             return
@@ -125,7 +127,7 @@ class HealthTracker:
         threshold = 1 if decisive else self.settings.failures_to_eject
         if backend.healthy and backend.consecutive_failures >= threshold:
             self.eject(backend, HEALTH_CHECK, detail)
-        elif not backend.healthy and backend.ejected_by != OUTLIER:
+        elif not backend.healthy and backend.ejected_by not in (OUTLIER, PENDING):
             backend.ejected_by = HEALTH_CHECK  # known down now, not just slow: no panic route
 
     def _held(self, backend: Backend) -> bool:

@@ -42,6 +42,7 @@ HEALTH_CHECK = "health_check"  # the check failed: refused, broken, or an error 
 HEALTH_TIMEOUT = "health_timeout"  # the check timed out ``timeouts_to_eject`` times in a row
 CONNECT_ERROR = "connect_error"  # a request could not connect
 OUTLIER = "outlier"  # requests failed in a row (5xx, timeouts, broken connections)
+PENDING = "pending"  # found by discovery, not admitted yet (discovery.py admits it)
 # Ejected for a reason a busy server also shows: still routed to in a panic.
 SOFT_EJECTIONS = frozenset({HEALTH_TIMEOUT, OUTLIER})
 

@@ -113,8 +113,8 @@ class ProxyState:
             "proxy ready: %s %s flow, %d prefill / %d decode servers (%d / %d healthy)",
             self.config.engine,
             self.config.flow,
-            len(self.prefill_backends),
-            len(self.decode_backends),
+            len(self.prefill.backends),
+            len(self.decode.backends),
             len(self.prefill.healthy()),
             len(self.decode.healthy()),
         )
