@@ -29,6 +29,9 @@ Invariants:
   posted (layers may hold different numbers of blocks, see ``KVLayout``).
 - A handle is released exactly once, by ``release`` (or ``settle``, which releases the handles
   it finds finished); a failed post leaves nothing behind.
+- A peer is loaded while an ``add_peer`` call is not matched by a ``remove_peer``: one agent
+  serves the sending and the receiving side of a ``kv_both`` server, and each unloads only
+  what it loaded (a server may be P and D for the same peer).
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class _Peer:
     layout: KVLayout
     index: _DescriptorIndex
     dlist: object
+    refs: int = 1  # add_peer calls not yet matched by remove_peer
 
 
 @dataclass
@@ -174,7 +178,9 @@ class KVAgent:
         return list(self._peers)
 
     def add_peer(self, agent_metadata: bytes, layout: KVLayout) -> str:
-        """Load a peer's metadata and prepare its descriptor list; returns its agent name.
+        """Load a peer's metadata and prepare its descriptor list (or take one more reference
+        to a peer loaded already); returns its agent name. The caller owes one
+        ``remove_peer`` per call.
 
         Raises ``ValueError`` if its layout cannot exchange blocks with ours.
         """
@@ -188,6 +194,7 @@ class KVAgent:
             if isinstance(agent_name, bytes):
                 agent_name = agent_name.decode()
             if agent_name in self._peers:
+                self._peers[agent_name].refs += 1
                 return agent_name
             dlist = self._agent.prep_xfer_dlist(agent_name, descriptors, layout.memory)
             self._peers[agent_name] = _Peer(agent_name, layout, index, dlist)
@@ -198,13 +205,18 @@ class KVAgent:
         peer = self._peers.get(agent_name)
         return peer.layout if peer is not None else None
 
-    def remove_peer(self, agent_name: str) -> None:
-        """Unload a peer: its descriptor list and its metadata (NIXL disconnects from it).
-        The caller makes sure no transfer with it is in flight."""
+    def remove_peer(self, agent_name: str, *, force: bool = False) -> None:
+        """Drop one reference to a peer (``force``: all); the last unloads it: its descriptor
+        list and its metadata (NIXL disconnects from it). The caller makes sure no transfer
+        of its own with that peer is in flight."""
         with self._lock:
-            peer = self._peers.pop(agent_name, None)
+            peer = self._peers.get(agent_name)
             if peer is None:
                 return
+            peer.refs = 0 if force else peer.refs - 1
+            if peer.refs > 0:
+                return
+            del self._peers[agent_name]
             peer.dlist.release()
             self._agent.remove_remote_agent(agent_name)
         logger.debug("NIXL agent %s: peer %s unloaded", self.name, agent_name)
@@ -393,7 +405,7 @@ class KVAgent:
             self._progress.join(timeout=5)
         for name in list(self._peers):
             try:
-                self.remove_peer(name)
+                self.remove_peer(name, force=True)
             except Exception as exc:
                 logger.warning("removing peer %s at close: %s", name, exc)
         with self._lock:

@@ -18,6 +18,15 @@ confirmation is pending, what the new connection sends (its first REGISTER, pipe
 the HELLO) waits here, in order, bounded. When the admitted connection is gone (a send to it
 finds no such peer: ``lost``), its binding is dropped and a connection waiting on it is bound.
 
+Pruning (docs/security.md): P cannot see a receiver's connection close (ZMQ's ROUTER reports
+no per-peer disconnect), so an admission goes when its connection has been idle: no HELLO or
+REGISTER on it for ``idle_s`` while no live transfer used its agent (``in_use``). The default is
+twice the receiver's own idle close (``SideChannel.idle_close_s``), so the receiver has closed
+that connection first and says HELLO again on its next one; a receiver that did not is told so
+(``Abort("*")``, on which it says HELLO again). A NIXL agent is unloaded once no admission,
+pending confirmation or live transfer refers to it. At most ``max_admitted`` connections are
+admitted: a HELLO beyond, after pruning, is refused before its metadata is loaded.
+
 Invariants:
 - ``agent_of`` answers an agent only for a connection whose HELLO was admitted.
 - One connection per agent at a time, except those the agent confirmed itself.
@@ -25,6 +34,9 @@ Invariants:
   logged once per peer (a hostile peer cannot flood the log).
 - Nothing waits forever: a confirmation not answered within ``confirm_timeout_s`` refuses the
   connection and hands its held messages back to be refused.
+- Bounded: at most ``max_admitted`` admitted connections; every loaded NIXL agent is referred
+  to by an admission, a pending confirmation or a live transfer, or is unloaded at the next
+  prune (at most once a second, from ``expire``).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from splitserve.transfer import messages
@@ -46,6 +58,11 @@ logger = logging.getLogger(__name__)
 
 MAX_HELD_MESSAGES = 1024  # per connection awaiting confirmation
 MAX_PENDING = 256  # connections awaiting confirmation at once
+MAX_ADMITTED = 4096  # admitted connections (each may hold one loaded NIXL agent)
+# An admission unused this long is pruned: twice the receiver's idle close (SideChannel's
+# idle_close_s, 600 s), so the receiver closed its side first.
+PEER_IDLE_S = 1200.0
+_PRUNE_EVERY_S = 1.0
 
 # Messages a connection sent while its confirmation was pending, released in order when it is
 # settled: the caller handles each as if it had just arrived (an unbound connection's REGISTER
@@ -75,6 +92,9 @@ class PeerAdmission:
         *,
         confirm_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        in_use: Callable[[], Collection[str]] = frozenset,
+        idle_s: float = PEER_IDLE_S,
+        max_admitted: int = MAX_ADMITTED,
     ) -> None:
         self.agent = agent
         self.channel = channel
@@ -82,14 +102,32 @@ class PeerAdmission:
         self._on_refused = on_refused
         self.confirm_timeout_s = confirm_timeout_s
         self.clock = clock
+        self._in_use = in_use  # the agents the sender's live transfers refer to
+        self.idle_s = idle_s
+        self.max_admitted = max_admitted
+        self._last_used: dict[bytes, float] = {}  # admitted connection -> when last seen used
+        self._touched: set[bytes] = set()  # used since the last prune (timed by the prune)
+        self._next_prune = 0.0
+        self._later: Held = []  # released by a prune inside on_hello; handed out by expire
+        self._refs: dict[str, int] = {}  # agent -> our add_peer calls not yet undone
         self._agents: dict[bytes, str] = {}  # ROUTER identity -> admitted agent name
         self._home: dict[str, bytes] = {}  # agent -> the connection it was first admitted on
         self._pending: dict[bytes, _Pending] = {}
         self._log = PeerLog(logger)
 
+    @property
+    def admitted(self) -> int:
+        """Connections admitted now."""
+        return len(self._agents)
+
     def agent_of(self, peer: PeerRef) -> str | None:
-        """The agent ``peer``'s connection was admitted for (None: no valid HELLO on it)."""
-        return self._agents.get(peer.inbound or b"")
+        """The agent ``peer``'s connection was admitted for (None: no valid HELLO on it); asked
+        for every REGISTER, so it also marks the connection used."""
+        inbound = peer.inbound or b""
+        name = self._agents.get(inbound)
+        if name is not None:
+            self._touched.add(inbound)
+        return name
 
     def hold(self, peer: PeerRef, message: messages.Message) -> bool:
         """Keep ``message`` until ``peer``'s confirmation is settled; False when ``peer`` awaits
@@ -107,9 +145,19 @@ class PeerAdmission:
         if peer.inbound is None:
             self._refuse(peer, hello.agent_name, "a HELLO must come on an inbound connection")
             return
+        if peer.inbound not in self._agents and len(self._agents) >= self.max_admitted:
+            self._dispatch_later(self.prune(self.clock(), force=True))
+            if len(self._agents) >= self.max_admitted:
+                self._refuse(
+                    peer,
+                    hello.agent_name,
+                    f"too many receivers admitted ({self.max_admitted}); try again later",
+                )
+                return
         try:
             layout = KVLayout.model_validate(hello.layout)
             name = self.agent.add_peer(hello.agent_metadata, layout)
+            self._refs[name] = self._refs.get(name, 0) + 1
         except Exception as exc:  # bad metadata or layout: refuse this peer, keep serving
             self._refuse(peer, hello.agent_name, str(exc)[:300])
             return
@@ -146,13 +194,62 @@ class PeerAdmission:
         return []
 
     def expire(self) -> Held:
-        """Refuse connections whose confirmation did not come in time."""
+        """Refuse connections whose confirmation did not come in time; prune (see module
+        docstring) at most once a second."""
         now = self.clock()
-        out: Held = []
+        out: Held = self._take_later()
         for inbound, pending in list(self._pending.items()):
             if now >= pending.deadline:
                 out += self._settle(inbound, confirmed=False)
+        return out + self.prune(now)
+
+    def prune(self, now: float, force: bool = False) -> Held:
+        """Drop admissions idle for ``idle_s`` whose agent no live transfer uses, then unload
+        the NIXL agents nothing refers to any more. Answers what a connection that waited on a
+        dropped one sent meanwhile (see ``lost``)."""
+        if not force and now < self._next_prune:
+            return []
+        self._next_prune = now + _PRUNE_EVERY_S
+        out: Held = []
+        busy = set(self._in_use())
+        for inbound in self._touched:
+            self._last_used[inbound] = now
+        self._touched.clear()
+        for inbound, name in list(self._agents.items()):
+            if name in busy:
+                self._last_used[inbound] = now
+            elif now - self._last_used.get(inbound, now) >= self.idle_s:
+                peer = PeerRef(inbound=inbound)
+                out += self.lost(peer)
+                # Gone already: the send reports it (``lost`` again, a no-op). Still there (a
+                # receiver that keeps connections longer): it says HELLO again on its next load.
+                reason = f"hello: admission expired after {self.idle_s:g} s unused"
+                self.channel.send(peer, messages.Abort(transfer_id="*", reason=reason))
+                logger.info("peer %s (%s): admission pruned (idle)", peer, name)
+        self._unload_unreferenced(busy)
         return out
+
+    def _dispatch_later(self, held: Held) -> None:
+        self._later += held
+
+    def _take_later(self) -> Held:
+        out, self._later = self._later, []
+        return out
+
+    def _unload_unreferenced(self, busy: set[str]) -> None:
+        """Drop our references to agents no admission, pending confirmation or live transfer
+        refers to (the agent may stay loaded for the receiving side of the same server)."""
+        wanted = set(self._agents.values()) | {p.agent_name for p in self._pending.values()}
+        for name in list(self._refs):
+            if name in wanted or name in busy:
+                continue
+            try:
+                while self._refs[name] > 0:
+                    self.agent.remove_peer(name)
+                    self._refs[name] -= 1
+                del self._refs[name]
+            except Exception as exc:  # NIXL refused: tried again at the next prune
+                logger.warning("could not unload peer agent %s: %s", name, exc)
 
     def lost(self, peer: PeerRef) -> Held:
         """``peer``'s connection is gone (a send found no such peer): drop its binding. A
@@ -160,6 +257,8 @@ class PeerAdmission:
         competes for the agent any more); returns what it sent meanwhile, to handle."""
         inbound = peer.inbound or b""
         self._pending.pop(inbound, None)
+        self._last_used.pop(inbound, None)
+        self._touched.discard(inbound)
         name = self._agents.pop(inbound, None)
         if name is None or self._home.get(name) != inbound:
             return []
@@ -177,6 +276,7 @@ class PeerAdmission:
         """Bind ``peer``'s connection to ``agent_name`` (what an accepted HELLO does)."""
         assert peer.inbound is not None
         self._agents[peer.inbound] = agent_name
+        self._touched.add(peer.inbound)
         self._home.setdefault(agent_name, peer.inbound)
 
     def _settle(self, inbound: bytes, confirmed: bool) -> Held:

@@ -14,10 +14,11 @@ next engine step, and a DONE that arrives later is ignored.
 Invariants:
 - A failed READ or an invalid pull message fails the load through ``fail`` (ABORT to P, settled
   like a timeout); nothing is read for a transfer that is not REGISTERED or already ready.
-- A P's NIXL agent stays loaded only while a connection to it offers pull or a READ of ours
-  from it is in flight: when its connection is lost (``forget``) it is unloaded at the next
-  ``expire`` after its last READ settled, so a D that outlives many P restarts (a new agent
-  each) does not keep their metadata forever.
+- A P's NIXL agent stays loaded (for us: ``_refs``, the ``add_peer`` calls we made) only while
+  a connection to it offers pull or a READ of ours from it is in flight: when its connection
+  is lost (``forget``) our references are dropped at the next ``expire`` after its last READ
+  settled, so a D that outlives many P restarts (a new agent each) does not keep their
+  metadata forever.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class PullReceiving:
         self._ready = ready
         self._peers: dict[PeerRef, str] = {}  # P that announces -> its NIXL agent name
         self._unused: set[str] = set()  # agents loaded for a P no connection offers pull for
+        self._refs: dict[str, int] = {}  # agent -> add_peer calls of ours not yet undone
         # loads completed on P's FIRST_TOKEN, until P's DONE for them (if it was sent before
         # our PULLED reached P) arrives and is ignored, or the bound passes
         self._completed_early: dict[str, float] = {}
@@ -83,6 +85,7 @@ class PullReceiving:
             if ack.agent_metadata is None or ack.layout is None:
                 raise ValueError("no agent metadata or layout")
             name = self.agent.add_peer(ack.agent_metadata, KVLayout.model_validate(ack.layout))
+            self._refs[name] = self._refs.get(name, 0) + 1
             if name != ack.agent_name:
                 self._unused.add(name)  # loaded, but not for this peer
                 raise ValueError(f"metadata names agent {name}, HELLO_ACK {ack.agent_name}")
@@ -182,7 +185,10 @@ class PullReceiving:
             elif name not in reading:
                 self._unused.discard(name)
                 try:
-                    self.agent.remove_peer(name)
+                    while self._refs.get(name, 0) > 0:
+                        self.agent.remove_peer(name)
+                        self._refs[name] -= 1
+                    self._refs.pop(name, None)
                 except Exception as exc:  # NIXL refused: keep it listed, try again later
                     self._unused.add(name)
                     logger.warning("receiver: could not unload agent %s: %s", name, exc)

@@ -121,7 +121,12 @@ class KVSender:
         self._orphans: dict[str, _Orphan] = {}
         self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
         self.peers = PeerAdmission(
-            agent, channel, self.strategy.hello_ack, self._count_refused_hello, clock=clock
+            agent,
+            channel,
+            self.strategy.hello_ack,
+            self._count_refused_hello,
+            clock=clock,
+            in_use=self._agents_in_use,
         )
         self._in_step: list[Outgoing] = []
         self._layers_seen: set[int] = set()
@@ -394,6 +399,12 @@ class KVSender:
         elif out.record.state is not S.COMPLETED:
             reason = f"{out.record.state.value}: {out.record.reason}"
             self.channel.send(out.peer, messages.Abort(transfer_id=transfer_id, reason=reason))
+
+    def _agents_in_use(self) -> set[str]:
+        """Receivers' agents a live transfer or a held registration refers to: their
+        admissions and NIXL metadata are not pruned (``peering``)."""
+        live = {out.peer_agent for out in self._transfers.values() if out.peer_agent}
+        return live | {orphan.message.agent_name for orphan in self._orphans.values()}
 
     def _count_refused_hello(self) -> None:
         self.stats.registrations_rejected += 1
