@@ -24,18 +24,22 @@ export SPLITSERVE_AUTH_KEY_FILE="$KEY_DIR/auth.key"
 KV_P='{"kv_connector":"SplitserveConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"side_channel_host":"127.0.0.1","side_channel_port":5600}}'
 KV_D='{"kv_connector":"SplitserveConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"side_channel_host":"127.0.0.1","side_channel_port":5700}}'
 
-# The adaptive chunk scheduler on the prefill server (settings through --additional-config).
+# The adaptive chunk scheduler on the decode server (settings through --additional-config): D
+# decodes, so its prefill budget follows the decode load and the ITL target. Not on the prefill
+# server: P never decodes, so the policy would always answer its maximum chunk.
 SCHED=(--scheduler-cls splitserve.schedulers.vllm.AdaptiveChunkScheduler
        --additional-config '{"splitserve_scheduler":{}}')
 
 # Prefill server on core 0, decode server on core 1 (two servers must not share OpenMP cores).
 VLLM_CPU_OMP_THREADS_BIND=0 $PY -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name tiny --host 127.0.0.1 --port 8100 --dtype float32 --enforce-eager \
-    --max-model-len 2048 --kv-transfer-config "$KV_P" "${SCHED[@]}" > prefill.log 2>&1 &
+    --max-model-len 2048 --max-num-batched-tokens 2048 --kv-transfer-config "$KV_P" \
+    > prefill.log 2>&1 &
 P=$!
 VLLM_CPU_OMP_THREADS_BIND=1 $PY -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name tiny --host 127.0.0.1 --port 8200 --dtype float32 --enforce-eager \
-    --max-model-len 2048 --kv-transfer-config "$KV_D" > decode.log 2>&1 &
+    --max-model-len 2048 --max-num-batched-tokens 2048 --kv-transfer-config "$KV_D" \
+    "${SCHED[@]}" > decode.log 2>&1 &
 D=$!
 trap 'kill $P $D ${X:-} 2>/dev/null; wait' EXIT INT TERM
 

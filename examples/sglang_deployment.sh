@@ -6,14 +6,17 @@
 # usage: examples/sglang_deployment.sh MODEL   (a local dir or a Hugging Face id)
 #
 # KV moves with SGLang's own `nixl` backend today. splitserve's layer-wise `splitserve` backend
-# is not built yet (docs/sglang.md); the adaptive chunk budget already works: it is switched on
-# below with SPLITSERVE_ADAPTIVE_BUDGET=1 (settings: SPLITSERVE_SCHEDULER_CONFIG=file.yaml).
+# is not built yet (docs/sglang.md). The adaptive chunk budget (SPLITSERVE_ADAPTIVE_BUDGET=1,
+# settings: SPLITSERVE_SCHEDULER_CONFIG=file.yaml) is NOT switched on here: an SGLang prefill server
+# never decodes (the budget would always answer its maximum chunk) and an SGLang decode server
+# never prefills (it only receives KV), so in a prefill/decode pair it has nothing to do. It
+# belongs on unified SGLang servers (docs/sglang.md).
 set -euo pipefail
 MODEL=${1:?usage: $0 MODEL}
 PY=${PYTHON:-python}
 
 # Prefill server on GPU 0; its bootstrap port (8998) is where decode servers fetch KV metadata.
-CUDA_VISIBLE_DEVICES=0 SPLITSERVE_ADAPTIVE_BUDGET=1 $PY -m sglang.launch_server \
+CUDA_VISIBLE_DEVICES=0 $PY -m sglang.launch_server \
     --model-path "$MODEL" --host 127.0.0.1 --port 30001 \
     --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
     --disaggregation-transfer-backend nixl > sglang_prefill.log 2>&1 &

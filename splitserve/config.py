@@ -9,6 +9,7 @@ imports no engine.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from splitserve.models import PRESETS, ModelSpec
 from splitserve.proxy.config import ProxyConfig, describe_validation_error
+
+logger = logging.getLogger(__name__)
 
 
 class DeploymentError(ValueError):
@@ -99,7 +102,10 @@ class PoolSettings(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments.")
     scheduler: dict[str, Any] | None = Field(
-        None, description="Adaptive chunk scheduler settings (BudgetPolicySettings); off if null."
+        None,
+        description="Adaptive chunk scheduler settings (BudgetPolicySettings); off if null. It "
+        "belongs on decode servers (they decode, and prefill the prompts the proxy sends "
+        "straight to them); on a prefill server it always answers its maximum chunk.",
     )
 
     @model_validator(mode="after")
@@ -252,6 +258,13 @@ def _validate_components(dep: Deployment, source: str) -> None:
                 f"{source}: proxy.{line}" for line in describe_validation_error(e).splitlines()
             )
         ) from None
+    if dep.prefill.scheduler is not None:
+        logger.warning(
+            "%s: prefill.scheduler is set: a prefill server never decodes, so the adaptive "
+            "budget always answers its maximum chunk there; put it under decode.scheduler "
+            "(docs/scheduler.md, 'Where the budget belongs')",
+            source,
+        )
     for pool_name in ("prefill", "decode"):
         sched = getattr(dep, pool_name).scheduler
         if sched is not None:
