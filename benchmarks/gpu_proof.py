@@ -82,6 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--race", type=int, default=20, help="transfers per race-check arm")
     ap.add_argument("--probe-runs", type=int, default=5, help="bulk WRITEs timed (x4 per layer)")
     ap.add_argument("--compute-scale", type=float, default=1.0, help="scale per-layer FLOPs")
+    ap.add_argument(
+        "--ucx-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="UCX backend parameter for both agents (the connector's ucx_backend_params), "
+        "e.g. ucx_error_handling_mode=none",
+    )
     ap.add_argument("--grid", help="JSON overriding part 3's grid keys (chunks, cached, ...)")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_proof"))
     ap.add_argument("--role", choices=["sender"], help=argparse.SUPPRESS)
@@ -117,6 +125,7 @@ def make_setup(args: argparse.Namespace) -> tuple[Setup, dict]:
         race=args.race,
         probe_runs=args.probe_runs,
         port=free_port(),
+        ucx_params=dict(p.split("=", 1) for p in args.ucx_param),
     )
     info = {
         "model": args.model,
@@ -191,6 +200,8 @@ def print_summary(report: dict) -> None:
             f"{t['exposed_handoff_s'] * ms:.3f} ms |"
         )
         print(f"| planner: t_x + (L-1) max(0, t_x - t_c) | {t['planner_exposed_s'] * ms:.3f} ms |")
+        print(f"| of which: last layer's post | {t['last_post_after_event_s'] * ms:.3f} ms |")
+        print(f"| of which: DONE round after it | {t['done_after_last_post_s'] * ms:.3f} ms |")
         ratio = t["exposed_over_planner"]
         print(f"| measured / planner | {'-' if ratio is None else f'{ratio:.2f}'} |")
         print(

@@ -88,23 +88,23 @@ def time_steps(model_name: str, points: list[StepPoint], device: str) -> dict[st
     w_qkv = weight(h, q_dim + 2 * kv_dim)
     w_o, w_gate_up, w_down = weight(q_dim, h), weight(h, 2 * shape.mlp), weight(shape.mlp, h)
     gqa = heads != kv_heads
-    expand = {"kv": False}  # set once a lower-right causal SDPA refuses GQA: repeat KV heads
+    expand = {"kv": False}  # set once SDPA refuses GQA here: repeat KV heads from then on
 
     def sdpa(q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False) -> Any:
-        if expand["kv"] and mask is not None:
+        if expand["kv"]:
             k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         try:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
             )
         except RuntimeError as exc:
-            if mask is None or not gqa or expand["kv"]:
+            if not gqa or isinstance(exc, torch.cuda.OutOfMemoryError):
                 raise
             expand["kv"] = True
             notes.append(
-                f"lower-right causal SDPA refused GQA ({exc}); KV heads repeated for prefill "
-                "after a cached context (slower than a GQA kernel)"
+                f"SDPA refused GQA ({exc}); KV heads repeated from then on (slower than a GQA "
+                "kernel: step times above the engine's)"
             )
             return sdpa(q, k, v, mask, causal)
 

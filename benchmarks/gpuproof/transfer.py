@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ class Setup:
     port: int
     seed: int = 0
     spare_blocks: int = 8
+    ucx_params: dict[str, str] = field(default_factory=dict)  # the connector's ucx_backend_params
 
     @property
     def request_blocks(self) -> int:
@@ -109,7 +110,7 @@ def _agent(name: str, cache: list[Any], setup: Setup) -> Any:
     from splitserve.transfer.layout import kv_layout_from_tensors
 
     layout = kv_layout_from_tensors(cache, setup.num_blocks, setup.block_size)
-    return KVAgent(name, layout)
+    return KVAgent(name, layout, backend_params=setup.ucx_params)
 
 
 def _until(predicate, bound_s: float, what: str, poll=None) -> None:
@@ -433,6 +434,11 @@ def summarize(data: dict[str, Any], setup: Setup) -> dict[str, Any]:
         "exposed_handoff_s_all": exposed,
         "last_post_after_event_s": statistics.median(
             r["posted_wall"][-1] - r["seen_wall"][-1] for r in timed
+        ),
+        # the DONE round the planner leaves out: P sees its WRITEs complete, posts the final
+        # WRITE with DONE, D's poll reads the notification
+        "done_after_last_post_s": statistics.median(
+            r["done_seen_wall"] - r["posted_wall"][-1] for r in timed
         ),
         "exposed_handoff_s_from_forward_end": statistics.median(
             r["outcome_handoff_s"] for r in timed
