@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic import model_validator as _model_validator
 
 from splitserve.netutil import is_loopback
+from splitserve.proxy.decide import DecisionSettings
 from splitserve.proxy.discovery_config import DiscoverySettings, check_discovery
 
 Engine = Literal["vllm", "sglang"]
@@ -219,6 +220,10 @@ class ProxyConfig(_Strict):
     workers: int = Field(
         1, ge=1, le=256, description="Proxy processes sharing the port (one event loop each)."
     )
+    decide: DecisionSettings | None = Field(
+        None, description="Per-request disaggregation (vLLM): a request whose prefill does not "
+        "pay to move goes straight to a decode server (docs/proxy.md); off if null.",
+    )  # fmt: skip
     first_token_from_prefill: bool | None = Field(
         None,  # resolved to a bool by _check_flow (left unset, so a CLI --flow still decides)
         description="vLLM concurrent flow (SplitserveConnector): the client's first token is "
@@ -268,6 +273,11 @@ class ProxyConfig(_Strict):
             raise ValueError(
                 "first_token_from_prefill: only the vLLM concurrent flow (SplitserveConnector) "
                 f"supports it, not {self.engine} {self.flow}"
+            )
+        if self.decide is not None and self.engine == "sglang":
+            raise ValueError(
+                "decide: SGLang's decode servers cannot prefill (they only receive KV), so "
+                "every request must go through a prefill server; remove decide"
             )
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("api_key_file: give api_key or api_key_file, not both")

@@ -64,6 +64,8 @@ _PREFILL_GRACE_S = 10.0
 class Forwarder:
     """Pairs, dispatches and relays; owns no sockets of its own (the upstream client does)."""
 
+    decider: Any = None  # decider.Decider, set by ProxyState when per-request decisions are on
+
     def __init__(
         self,
         config: ProxyConfig,
@@ -135,6 +137,9 @@ class Forwarder:
     # ------------------------------------------------------------------ one attempt
 
     async def _attempt(self, call: Call, p: Backend, d: Backend) -> Response | StreamResponse:
+        decider = self.decider
+        if decider is not None and await decider.straight_to_decode(call.body, call.route, p, d):
+            return await self._decode(call, dispatch.colocated_request(call.body), d)
         if self._mode == "vllm-sequential":
             return await self._sequential(call, p, d)
         flow = self._first_token

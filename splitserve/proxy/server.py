@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from splitserve.proxy import jsonio, validation
+from splitserve.proxy.aux import aux_routes
 from splitserve.proxy.calls import RequestOutcome
 from splitserve.proxy.config import ProxyConfig
 from splitserve.proxy.discovery import Discovery
@@ -109,6 +110,12 @@ class ProxyState:
         self.forwarder = Forwarder(
             self.config, self.upstream, self.prefill, self.decode, self.tracker, self.metrics
         )
+        if self.config.decide is not None:  # per-request disaggregation (decider.py)
+            from splitserve.proxy.decider import Decider
+
+            self.forwarder.decider = Decider(
+                self.config.decide, self.metrics.registry, self.forwarder.loop
+            )
         logger.info(
             "proxy ready: %s %s flow, %d prefill / %d decode servers (%d / %d healthy)",
             self.config.engine,
@@ -332,6 +339,7 @@ class ProxyServer:
             ("GET", "/health"): _health,
             ("GET", "/ready"): _ready_handler(state),
             ("GET", "/metrics"): _metrics_handler(state),
+            **aux_routes(state),  # /tokenize, /detokenize, /version ... relayed (aux.py)
         }
         # With an API key, everything but /health needs it: /ready names the servers and their
         # errors, /metrics the servers and the traffic (docs/security.md).
