@@ -112,6 +112,7 @@ INTEGRATION_ORDER = [
     "test_adaptive_scheduler.py",  # "unified", "adaptive-scheduler"
     "test_connector_vllm.py",  # "ss-a", "ss-b"
     "test_proxy_splitserve.py",  # "ss-a", "ss-b"
+    "test_proxy_decide.py",  # "ss-a", "ss-b"
     "test_discovery.py",  # "ss-a", "ss-b", "ss-c"
     "test_control_plane.py",  # "ss-a", "ss-b"
     "test_prefill_allowlist.py",  # "ss-a", "ss-b" and its own guarded D
