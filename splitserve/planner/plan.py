@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.planner.catalog import LINKS, Accelerator, Link, ModelShape, PlannerInputError
+from splitserve.planner.decide_threshold import DecideThreshold, decide_threshold
 from splitserve.planner.handoff import Handoff, handoff
 from splitserve.planner.kv import KvSizes, dtype_bytes, kv_sizes
 from splitserve.planner.pools import (
@@ -91,6 +92,7 @@ class Plan:
     pools: Pools | None
     assumptions: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None
+    decide: DecideThreshold | None = None  # the proxy's decide.threshold_tokens for this setup
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -172,6 +174,7 @@ def make_plan(
         assumptions.append(
             f"no SLO given: TTFT {slo.ttft_s:g} s and ITL {slo.itl_s * 1e3:g} ms assumed"
         )
+    pools = _pools(ctx, this_handoff)
     return Plan(
         model=_model_summary(model, weight_bytes),
         hardware=_hardware_summary(acc, link, replica, gpus, efficiency, kv_dtype),
@@ -182,8 +185,9 @@ def make_plan(
         chunks=_chunk_advice(ctx),
         workload=workload.model_dump(),
         slo=slo.model_dump(),
-        pools=_pools(ctx, this_handoff),
+        pools=pools,
         assumptions=assumptions,
+        decide=decide_threshold(ctx, this_handoff.exposed_streaming_s, pools.decode.batch),
     )
 
 

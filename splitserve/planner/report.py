@@ -62,6 +62,8 @@ def render_text(plan: Plan) -> str:
     ]
     if plan.pools is not None:
         out += [_pools_section(plan, plan.pools), _verdict_section(plan.pools)]
+    if plan.decide is not None:
+        out.append(_decide_section(plan))
     if plan.calibration:
         out.append(render_calibration(plan.calibration))
     out.append(_assumptions_section(plan))
@@ -207,6 +209,22 @@ def _chunks_section(plan: Plan) -> str:
                 for c in plan.chunks
             ],
         ),
+    )
+
+
+def _decide_section(plan: Plan) -> str:
+    d = plan.decide
+    assert d is not None
+    chunk = "none (the decodes fill the step)" if not d.one_step_chunk else d.one_step_chunk
+    return _section(
+        "Per-request disaggregation (proxy decide.threshold_tokens)",
+        f"threshold_tokens: {d.tokens} = max(break-even {d.break_even_tokens}, one-step chunk "
+        f"{chunk})\n"
+        f"  break-even: handoff {fmt_seconds(d.handoff_s)} (exposed streamed + one hop) / "
+        f"prefill {d.prefill_s_per_token * 1e6:.3g} us per token\n"
+        f"  one-step chunk: largest prefill chunk beside {d.decodes} decodes under ITL "
+        f"{fmt_seconds(plan.slo['itl_s'])}\n"
+        "  prompts with at most this many uncached tokens go straight to a decode server",
     )
 
 

@@ -270,3 +270,18 @@ async def test_aux_endpoints_are_relayed_unchanged() -> None:
     finally:
         await proxy.close()
         await server.close()
+
+
+def test_plan_prints_the_threshold_it_derives() -> None:
+    from click.testing import CliRunner
+
+    from splitserve.cli import cli
+    from splitserve.planner.catalog import get_accelerator, get_link, get_model
+    from splitserve.planner.plan import make_plan
+
+    plan = make_plan(get_model("Llama-3.1-8B"), get_accelerator("H100"), get_link("NVLink4"))
+    d = plan.decide
+    assert d is not None and d.tokens == max(d.break_even_tokens, d.one_step_chunk or 0)
+    assert d.break_even_tokens == local_prefill_threshold(d.handoff_s, d.prefill_s_per_token, None)
+    out = CliRunner().invoke(cli, ["plan", "--model", "Llama-3.1-8B", "--gpu", "H100"]).output
+    assert f"threshold_tokens: {d.tokens} = max(break-even {d.break_even_tokens}" in out
