@@ -233,11 +233,16 @@ def write_proxy_config(
     planned: list[PlannedServer],
     path: Path,
     secrets: DeploymentSecrets | None = None,
+    model: str | Path | None = None,
 ) -> Path:
     """The proxy's YAML, with the engines' API key when ``secrets`` holds one (keys written in
-    clear in a file only its owner may read: mode 0600, created so)."""
+    clear in a file only its owner may read: mode 0600, created so), and, for the per-request
+    decision (``proxy.decide``), the served ``model`` as its tokenizer unless one is named."""
     side_ports = [s.side_channel_port for s in planned if s.role == "prefill"]
     cfg = proxy_config_for(dep, side_ports, host=HOST)
+    if cfg.decide is not None and cfg.decide.tokenizer is None and model is not None:
+        decide = cfg.decide.model_copy(update={"tokenizer": str(model)})
+        cfg = cfg.model_copy(update={"decide": decide})
     if secrets is not None:
         cfg = cfg.model_copy(update={"upstream_api_key": SecretStr(secrets.engine_api_key)})
     data = _reveal(cfg.model_dump(mode="python", exclude_none=True))
@@ -312,7 +317,7 @@ class DeploymentRunner:
         self.group.wait(self.dep.startup_timeout_s, on_wait=progress)
         self.echo(f"engine servers ready after {time.monotonic() - t0:.0f} s")
         proxy_yaml = write_proxy_config(
-            self.dep, self.planned, self.run_dir / "proxy.yaml", self.secrets
+            self.dep, self.planned, self.run_dir / "proxy.yaml", self.secrets, model
         )
         self.group.add(
             "proxy",

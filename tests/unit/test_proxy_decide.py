@@ -285,3 +285,25 @@ def test_plan_prints_the_threshold_it_derives() -> None:
     assert d.break_even_tokens == local_prefill_threshold(d.handoff_s, d.prefill_s_per_token, None)
     out = CliRunner().invoke(cli, ["plan", "--model", "Llama-3.1-8B", "--gpu", "H100"]).output
     assert f"threshold_tokens: {d.tokens} = max(break-even {d.break_even_tokens}" in out
+
+
+def test_up_names_the_served_model_as_the_tokenizer(tmp_path: Path) -> None:
+    import yaml
+
+    from splitserve.config import parse_deployment
+    from splitserve.launch.deployment import plan_servers, write_proxy_config
+
+    data = {
+        "model": {"preset": "tiny", "served_name": "tiny"},
+        "prefill": {"base_port": 9100, "side_channel_base_port": 9600},
+        "decode": {"base_port": 9200, "scheduler": {}},
+        "connector": {"name": "splitserve"},
+        "proxy": {"port": 9000, "flow": "concurrent", "decide": {"threshold_tokens": 300}},
+    }
+    dep = parse_deployment(data, "dep.yaml")
+    out = write_proxy_config(dep, plan_servers(dep, tmp_path), tmp_path / "p.yaml", None, "/m")
+    written = yaml.safe_load(out.read_text())["decide"]
+    assert written["tokenizer"] == "/m" and written["threshold_tokens"] == 300
+    data["proxy"]["decide"] = {"threshold_tokens": "many"}
+    with pytest.raises(Exception, match="proxy.decide.threshold_tokens"):
+        parse_deployment(data, "dep.yaml")
