@@ -52,7 +52,7 @@ class DecisionSettings(BaseModel):
         "or a tokenizer.json file; `splitserve up` fills in its model.",
     )  # fmt: skip
     threshold_tokens: int = Field(
-        512, ge=0, description="Prompts with at most this many uncached tokens go straight to "
+        256, ge=0, description="Prompts with at most this many uncached tokens go straight to "
         "D (splitserve plan prints the value for a model and hardware).",
     )  # fmt: skip
     prefix_share: float = Field(
