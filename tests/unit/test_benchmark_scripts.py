@@ -31,6 +31,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
              "--kv-cache-gib", "--resummarize"],
         ),
         ("chunking.py", ["--duration", "--out"]),
+        ("goodput.py", ["--rates", "--duration", "--seed", "--only", "--quick", "--dry-run"]),
         (
             "soak.py",
             ["--minutes", "--pairs", "--concurrency", "--disconnect", "--check", "--kill-at",

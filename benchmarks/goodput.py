@@ -1,0 +1,500 @@
+"""Goodput under an SLO fixed before the run: colocated servers vs prefill/decode, with and
+without the proxy's per-request decision and the adaptive budget on D (issue #18).
+
+A script, not a test. Same two cores for every contender, one core per server, all in one run,
+their order rotated from one rate to the next. At each arrival rate of the sweep each contender
+gets the same seeded open-loop workload (Poisson arrivals):
+
+- chat requests: prompts of 32 to 512 tokens, outputs of 64 to 256 tokens;
+- document requests: prompts of 1,500 to 4,000 tokens, outputs of 16 to 64 tokens;
+
+``DOC_SHARE`` of the requests are documents; every prompt is fresh random token ids (no prefix
+is ever reused), sent streamed with ``ignore_eos``. The SLO below is stated before any run and
+printed with the results. A request meets it when its TTFT is within its class's bound and the
+99th percentile of its own inter-token gaps is within ``SLO_GAP_P99_S`` (a failed request
+misses). Per contender and rate: SLO attainment (share of requests that meet it), TTFT and gap
+percentiles per class; per contender: its **capacity under SLO**, the highest swept rate at
+which it and every lower swept rate keep at least 90% attainment (DistServe's goodput).
+
+Contenders (tiny test model, fp32, one CPU core per server):
+
+- (a) ``colocated``: two plain servers behind the proxy's least-loaded routing (every request
+  straight to a server: the proxy's decision with an unbounded threshold), vLLM's default budget;
+- (b) ``colocated-lpt``: the same with a 4096 budget and ``--long-prefill-token-threshold 256``;
+- (c) ``colocated-adaptive``: the same with the adaptive budget (target ``0.6 x`` the gap SLO);
+- (d) ``pd``: 1 P + 1 D with SplitserveConnector, the concurrent flow with the first token from
+  P, every request disaggregated;
+- (e) ``pd-decide``: the same pair with the per-request decision (default threshold, block 128)
+  and the adaptive budget on D (the pair of (d) runs it too: with every request disaggregated D
+  prefills nothing, so the budget changes nothing there).
+
+Usage:
+
+    .venv/bin/python benchmarks/goodput.py --dry-run          # the plan: SLO, workload, order
+    .venv/bin/python benchmarks/goodput.py --quick --out runs/goodput-quick.json
+    .venv/bin/python benchmarks/goodput.py --rates 0.25,0.5,1,1.5 --duration 60 --out ...
+
+Servers are started per (rate, contender group) and stopped after it (groups: (a), (b), (c),
+(d)+(e)), so start-up dominates a short sweep on 2 cores; results go to JSON and a markdown
+table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from splitserve.launch.group import ServerGroup
+from splitserve.models import build_model, resolve_spec
+from splitserve.netutil import free_ports
+from splitserve.proxy.background import BackgroundProxy
+from splitserve.proxy.config import build_config
+
+logger = logging.getLogger("benchmarks.goodput")
+
+# ---------------------------------------------------------------------- stated before any run
+
+SLO_TTFT_CHAT_S = 1.5
+SLO_TTFT_DOC_S = 8.0
+SLO_GAP_P99_S = 0.25
+ATTAINMENT_GOAL = 0.90
+ADAPTIVE_TARGET_MS = 0.6 * SLO_GAP_P99_S * 1e3  # docs/scheduler.md, "Tuning"
+CHAT_PROMPT = (32, 512)
+CHAT_OUTPUT = (64, 256)
+DOC_PROMPT = (1500, 4000)
+DOC_OUTPUT = (16, 64)
+DOC_SHARE = 0.2
+SEED = 18
+MAX_MODEL_LEN = 4160  # the longest document plus its output
+BUDGET = 4096  # start-up --max-num-batched-tokens of every server but (a)'s (vLLM's default)
+SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+QUICK = {"rates": [0.3, 0.8], "duration": 25.0}
+
+# ---------------------------------------------------------------------- workload (pure)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    kind: str  # "chat" | "doc"
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+def workload(rate: float, duration_s: float, seed: int = SEED) -> list[Arrival]:
+    """Poisson arrivals at ``rate`` per second over ``duration_s``, every draw from ``seed``
+    (so every contender gets the same requests at a rate)."""
+    rng = random.Random(f"{seed}-{rate}")
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        doc = rng.random() < DOC_SHARE
+        lo, hi = DOC_PROMPT if doc else CHAT_PROMPT
+        olo, ohi = DOC_OUTPUT if doc else CHAT_OUTPUT
+        prompt = tuple(rng.randint(5, 1000) for _ in range(rng.randint(lo, hi)))
+        out.append(Arrival(t, "doc" if doc else "chat", prompt, rng.randint(olo, ohi)))
+
+
+@dataclass
+class Result:
+    kind: str
+    sent: float
+    first: float | None = None
+    times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def meets_slo(r: Result) -> bool:
+    if r.error is not None or r.ttft is None:
+        return False
+    if r.ttft > (SLO_TTFT_DOC_S if r.kind == "doc" else SLO_TTFT_CHAT_S):
+        return False
+    gap = pct(r.gaps, 99)
+    return gap is None or gap <= SLO_GAP_P99_S
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "errors": sum(r.error is not None for r in results),
+        "attainment": sum(map(meets_slo, results)) / max(1, len(results)),
+    }
+    for kind in ("chat", "doc"):
+        mine = [r for r in results if r.kind == kind and r.ttft is not None]
+        ttft = [r.ttft for r in mine if r.ttft is not None]
+        gaps = [g for r in mine if (g := pct(r.gaps, 99)) is not None]
+        out[kind] = {
+            "n": len([r for r in results if r.kind == kind]),
+            "attainment": sum(meets_slo(r) for r in results if r.kind == kind)
+            / max(1, len([r for r in results if r.kind == kind])),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p90_s": pct(ttft, 90),
+            "ttft_p99_s": pct(ttft, 99),
+            "gap_p99_p50_ms": None if not gaps else 1e3 * (pct(gaps, 50) or 0),
+            "gap_p99_p90_ms": None if not gaps else 1e3 * (pct(gaps, 90) or 0),
+        }
+    return out
+
+
+def capacity(attainment_by_rate: dict[float, float], goal: float = ATTAINMENT_GOAL) -> float:
+    """The highest swept rate at which this and every lower swept rate reach ``goal`` (0 when
+    the lowest rate already misses it)."""
+    best = 0.0
+    for rate in sorted(attainment_by_rate):
+        if attainment_by_rate[rate] < goal:
+            break
+        best = rate
+    return best
+
+
+# ---------------------------------------------------------------------- contenders
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    group: str  # contenders of one group share servers
+    label: str
+
+
+CONTENDERS = [
+    Contender("colocated", "colocated", "(a) 2 colocated, least loaded, default budget"),
+    Contender("colocated-lpt", "colocated-lpt", "(b) 2 colocated, budget 4096, lpt 256"),
+    Contender("colocated-adaptive", "colocated-adaptive", "(c) 2 colocated, adaptive budget"),
+    Contender("pd", "pd", "(d) 1 P + 1 D, every request disaggregated"),
+    Contender("pd-decide", "pd", "(e) 1 P + 1 D, per-request decision, adaptive budget on D"),
+]
+
+
+def order_for(round_index: int, contenders: list[Contender] = CONTENDERS) -> list[Contender]:
+    """Contenders rotated by the round (rate) index, keeping a group's members together (they
+    share servers): group order rotates, members keep their order."""
+    groups: list[list[Contender]] = []
+    for c in contenders:
+        if groups and groups[-1][0].group == c.group:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    k = round_index % len(groups)
+    return [c for g in groups[k:] + groups[:k] for c in g]
+
+
+def _adaptive_args() -> list[str]:
+    settings = {"splitserve_scheduler": {"target_itl_ms": ADAPTIVE_TARGET_MS}}
+    return ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
+
+
+def server_args(group: str, role: str) -> list[str]:
+    """Engine flags of one server of ``group`` (role: ``s0``/``s1`` colocated, ``p``/``d``)."""
+    if group == "colocated":  # vLLM's own default budget
+        return ["--max-model-len", str(MAX_MODEL_LEN)]
+    base = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(BUDGET)]
+    if group == "colocated-lpt":
+        return [*base, "--long-prefill-token-threshold", "256"]
+    if group == "colocated-adaptive" or (group == "pd" and role == "d"):
+        return [*base, *_adaptive_args()]
+    return base
+
+
+def proxy_settings(c: Contender, urls: dict[str, str], p_side: int | None) -> dict[str, Any]:
+    if c.group != "pd":
+        # colocated: every request straight to one of the two servers, the less loaded
+        return {
+            "port": 0,
+            "flow": "sequential",
+            "prefill": [{"url": urls["s0"]}],  # never used: the decision sends all to D
+            "decode": [{"url": urls["s0"]}, {"url": urls["s1"]}],
+            "routing": {"decode": "least_outstanding"},
+            "decide": {"tokenizer": "", "threshold_tokens": 10**9, "prefix_blocks": 0},
+        }
+    settings: dict[str, Any] = {
+        "port": 0,
+        "flow": "concurrent",
+        "prefill": [{"url": urls["p"], "side_channel_port": p_side}],
+        "decode": [{"url": urls["d"]}],
+    }
+    if c.name == "pd-decide":
+        settings["decide"] = {"tokenizer": "", "block_tokens": 128}
+    return settings
+
+
+# ---------------------------------------------------------------------- running
+
+
+async def _one(session: aiohttp.ClientSession, url: str, a: Arrival, r: Result) -> None:
+    body = {
+        "model": "bench",
+        "prompt": list(a.prompt),
+        "max_tokens": a.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if r.first is None:
+                    r.first = now
+                r.times.append(now)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        r.error = repr(e)
+
+
+async def drive(url: str, arrivals: list[Arrival]) -> list[Result]:
+    results: list[Result] = []
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        tasks = []
+        start = time.perf_counter()
+        for a in arrivals:
+            delay = start + a.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            r = Result(a.kind, time.perf_counter())
+            results.append(r)
+            tasks.append(asyncio.create_task(_one(session, url, a, r)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+def _start_group(group: str, model: Path, log_dir: Path) -> tuple[ServerGroup, dict, int | None]:
+    servers = ServerGroup(log_dir)
+    http = free_ports(2)
+    roles = ("p", "d") if group == "pd" else ("s0", "s1")
+    side = free_ports(2) if group == "pd" else [None, None]
+    urls = {}
+    for core, role in enumerate(roles):
+        kv = None
+        if group == "pd":
+            kv = {
+                "kv_connector": "SplitserveConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "side_channel_port": side[core],
+                    "lease_s": 600,
+                    "done_timeout_s": 900,
+                },
+            }
+        s = servers.add_vllm(
+            f"{group}-{role}",
+            str(model),
+            port=http[core],
+            served_model_name="bench",
+            kv_transfer_config=kv,
+            extra_args=server_args(group, role),
+            cpu_core=core,
+            cpus=[core],
+            env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+        )
+        urls[role] = s.url
+    servers.wait(900.0)
+    return servers, urls, side[0]
+
+
+def _with_tokenizer(settings: dict[str, Any], model: Path) -> dict[str, Any]:
+    if "decide" in settings:
+        settings = {**settings, "decide": {**settings["decide"], "tokenizer": str(model)}}
+    return settings
+
+
+async def _warm(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        for n in (64, 2000):
+            r = Result("warm", time.perf_counter())
+            await _one(session, url, Arrival(0, "chat", tuple(range(10, 10 + n)), 4), r)
+            if r.error:
+                raise RuntimeError(f"warm-up failed: {r.error}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="goodput-"))
+    model = build_model(resolve_spec(args.preset), work / "model")
+    rows: list[dict[str, Any]] = []
+    for i, rate in enumerate(args.rates):
+        arrivals = workload(rate, args.duration, args.seed)
+        order = [c for c in order_for(i) if c.name in args.only]
+        logger.info(
+            "rate %.2f/s: %d requests; order %s", rate, len(arrivals), [c.name for c in order]
+        )
+        current: tuple[str, ServerGroup, dict, int | None] | None = None
+        for c in order:
+            if current is None or current[0] != c.group:
+                if current is not None:
+                    current[1].stop()
+                servers, urls, p_side = _start_group(c.group, model, work / f"logs-{i}-{c.group}")
+                current = (c.group, servers, urls, p_side)
+            _, _, urls, p_side = current
+            config = build_config(_with_tokenizer(proxy_settings(c, urls, p_side), model))
+            with BackgroundProxy(config) as proxy:
+                asyncio.run(_warm(proxy.url))
+                t0 = time.perf_counter()
+                results = asyncio.run(drive(proxy.url, arrivals))
+                wall = time.perf_counter() - t0
+                decisions = proxy.state.metrics.render().decode()
+            row = {"contender": c.name, "label": c.label, "rate": rate, "wall_s": wall}
+            row.update(summarize(results))
+            row["decisions"] = _decisions(decisions) if c.name == "pd-decide" else None
+            rows.append(row)
+            logger.info("%s @ %.2f/s: attainment %.0f%%", c.name, rate, 100 * row["attainment"])
+        if current is not None:
+            current[1].stop()
+    caps = {
+        c.name: capacity({r["rate"]: r["attainment"] for r in rows if r["contender"] == c.name})
+        for c in CONTENDERS
+        if c.name in args.only
+    }
+    return {"slo": slo_text(), "args": vars(args), "rows": rows, "capacity": caps}
+
+
+def _decisions(metrics_text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == "splitserve_proxy_decisions_total":
+                out[f"{s.labels['route']}/{s.labels['reason']}"] = s.value
+    return out
+
+
+# ---------------------------------------------------------------------- reporting
+
+
+def slo_text() -> str:
+    return (
+        f"SLO (fixed before the run): TTFT <= {SLO_TTFT_CHAT_S:g} s (chat), <= "
+        f"{SLO_TTFT_DOC_S:g} s (documents); each request's p99 inter-token gap <= "
+        f"{SLO_GAP_P99_S * 1e3:g} ms; capacity = highest swept rate with >= "
+        f"{ATTAINMENT_GOAL:.0%} attainment there and below"
+    )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        report["slo"],
+        "",
+        "| contender | rate/s | attainment | chat TTFT p50/p99 s | doc TTFT p50/p99 s "
+        "| chat gap-p99 p50/p90 ms | doc gap-p99 p50/p90 ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(x: float | None, d: int = 2) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for r in sorted(report["rows"], key=lambda r: (r["contender"], r["rate"])):
+        ch, doc = r["chat"], r["doc"]
+        lines.append(
+            f"| {r['contender']} | {r['rate']:g} | {r['attainment']:.0%} | "
+            f"{f(ch['ttft_p50_s'])} / {f(ch['ttft_p99_s'])} | "
+            f"{f(doc['ttft_p50_s'])} / {f(doc['ttft_p99_s'])} | "
+            f"{f(ch['gap_p99_p50_ms'], 0)} / {f(ch['gap_p99_p90_ms'], 0)} | "
+            f"{f(doc['gap_p99_p50_ms'], 0)} / {f(doc['gap_p99_p90_ms'], 0)} | {r['errors']} |"
+        )
+    caps = report["capacity"]
+    best_rival = max((v for k, v in caps.items() if k != "pd-decide"), default=0.0)
+    lines += ["", "| contender | capacity under SLO (req/s) |", "|---|---:|"]
+    lines += [f"| {k} | {v:g} |" for k, v in caps.items()]
+    if "pd-decide" in caps and best_rival > 0:
+        lines.append(f"\n(e) / best of (a)-(d): {caps['pd-decide'] / best_rival:.2f}x")
+    return "\n".join(lines)
+
+
+def dry_run(args: argparse.Namespace) -> str:
+    """The plan without servers: SLO, contenders, each rate's workload and order."""
+    lines = [slo_text(), "contenders:"] + [f"  {c.label}" for c in CONTENDERS]
+    for i, rate in enumerate(args.rates):
+        w = workload(rate, args.duration, args.seed)
+        docs = [a for a in w if a.kind == "doc"]
+        tokens = sum(len(a.prompt) for a in w)
+        order = ", ".join(c.name for c in order_for(i) if c.name in args.only)
+        lines.append(
+            f"rate {rate:g}/s: {len(w)} requests ({len(docs)} documents, {tokens} prompt "
+            f"tokens) over {args.duration:g} s; order: {order}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--rates", default="0.25,0.5,1.0", help="arrival rates (req/s), comma-separated"
+    )
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--preset", default="tiny", help="test model preset")
+    ap.add_argument(
+        "--only", default=",".join(c.name for c in CONTENDERS), help="contenders to run"
+    )
+    ap.add_argument("--quick", action="store_true", help=f"a short sweep: {QUICK}")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    ap.add_argument("--out", type=Path, help="JSON results")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rates, args.duration = ",".join(map(str, QUICK["rates"])), QUICK["duration"]
+    args.rates = [float(x) for x in str(args.rates).split(",") if x]
+    args.only = [x for x in str(args.only).split(",") if x]
+    unknown = set(args.only) - {c.name for c in CONTENDERS}
+    if unknown:
+        ap.error(f"--only: unknown contender(s) {sorted(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    print(dry_run(args), flush=True)
+    if args.dry_run:
+        return 0
+    report = run(args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report["args"] = {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in report["args"].items()
+        }
+        args.out.write_text(json.dumps(report, indent=1))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
