@@ -207,20 +207,25 @@ def order_for(round_index: int, contenders: list[Contender] = CONTENDERS) -> lis
     return [c for g in groups[k:] + groups[:k] for c in g]
 
 
-def _adaptive_args() -> list[str]:
-    settings = {"splitserve_scheduler": {"target_itl_ms": ADAPTIVE_TARGET_MS}}
+def _adaptive_args(metrics_port: int | None = None) -> list[str]:
+    sched: dict[str, Any] = {"target_itl_ms": ADAPTIVE_TARGET_MS}
+    if metrics_port is not None:
+        sched["metrics_port"] = metrics_port
+    settings = {"splitserve_scheduler": sched}
     return ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
 
 
-def server_args(group: str, role: str) -> list[str]:
-    """Engine flags of one server of ``group`` (role: ``s0``/``s1`` colocated, ``p``/``d``)."""
+def server_args(group: str, role: str, metrics_port: int | None = None) -> list[str]:
+    """Engine flags of one server of ``group`` (role: ``s0``/``s1`` colocated, ``p``/``d``);
+    ``metrics_port``: where an adaptive scheduler serves its own metrics (its step model's
+    prediction error on D's mixed steps is read there)."""
     if group == "colocated":  # vLLM's own default budget
         return ["--max-model-len", str(MAX_MODEL_LEN)]
     base = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(BUDGET)]
     if group == "colocated-lpt":
         return [*base, "--long-prefill-token-threshold", "256"]
     if group == "colocated-adaptive" or (group == "pd" and role == "d"):
-        return [*base, *_adaptive_args()]
+        return [*base, *_adaptive_args(metrics_port)]
     return base
 
 
@@ -302,6 +307,7 @@ def _start_group(group: str, model: Path, log_dir: Path) -> tuple[ServerGroup, d
     http = free_ports(2)
     roles = ("p", "d") if group == "pd" else ("s0", "s1")
     side = free_ports(2) if group == "pd" else [None, None]
+    sched_ports = free_ports(2)
     urls = {}
     for core, role in enumerate(roles):
         kv = None
@@ -321,12 +327,13 @@ def _start_group(group: str, model: Path, log_dir: Path) -> tuple[ServerGroup, d
             port=http[core],
             served_model_name="bench",
             kv_transfer_config=kv,
-            extra_args=server_args(group, role),
+            extra_args=server_args(group, role, sched_ports[core]),
             cpu_core=core,
             cpus=[core],
             env={"VLLM_CPU_KVCACHE_SPACE": "2"},
         )
         urls[role] = s.url
+        urls[f"{role}-scheduler"] = f"http://127.0.0.1:{sched_ports[core]}"
     servers.wait(900.0)
     return servers, urls, side[0]
 
@@ -374,6 +381,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row = {"contender": c.name, "label": c.label, "rate": rate, "wall_s": wall}
             row.update(summarize(results))
             row["decisions"] = _decisions(decisions) if c.name == "pd-decide" else None
+            if c.group in ("pd", "colocated-adaptive"):
+                role = "d" if c.group == "pd" else "s0"
+                row["scheduler"] = _scheduler_figures(urls[f"{role}-scheduler"])
             rows.append(row)
             logger.info("%s @ %.2f/s: attainment %.0f%%", c.name, rate, 100 * row["attainment"])
         if current is not None:
@@ -394,6 +404,36 @@ def _decisions(metrics_text: str) -> dict[str, float]:
         for s in fam.samples:
             if s.name == "splitserve_proxy_decisions_total":
                 out[f"{s.labels['route']}/{s.labels['reason']}"] = s.value
+    return out
+
+
+def _scheduler_figures(url: str) -> dict[str, Any]:
+    """What the adaptive scheduler on that server saw so far (cumulative over the group's
+    runs): steps, decisions by reason, and the share of steps whose relative prediction error
+    stayed under 10%, 20% and 50% (its histogram's buckets)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return {"error": repr(e)}
+    out: dict[str, Any] = {"decisions": {}, "error_le": {}}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "splitserve_scheduler_budget_decisions_total":
+                out["decisions"][smp.labels["reason"]] = smp.value
+            elif smp.name == "splitserve_scheduler_prediction_abs_error_ratio_bucket":
+                out["error_le"][smp.labels["le"]] = smp.value
+            elif smp.name == "splitserve_scheduler_prediction_abs_error_ratio_count":
+                out["steps"] = smp.value
+    steps = out.get("steps") or 0
+    if steps:
+        out["share_under"] = {
+            le: v / steps for le, v in out["error_le"].items() if le in ("0.1", "0.2", "0.5")
+        }
     return out
 
 
