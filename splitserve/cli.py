@@ -18,6 +18,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "up": "splitserve.launch.cli:up",
     "demo": "splitserve.launch.cli:demo",
     "plan": "splitserve.planner.cli:plan",
+    "simulate": "splitserve.planner.sim.cli:simulate",
     "proxy": "splitserve.proxy.cli:proxy",
 }
 
