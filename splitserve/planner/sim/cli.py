@@ -130,6 +130,13 @@ def _prices(items: tuple[str, ...]) -> dict[str, float]:
 @click.option("--requests", "count", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--min-duration-s",
+    type=_POSITIVE,
+    default=30.0,
+    show_default=True,
+    help="--goodput/--search: each run lasts at least this many seconds of arrivals.",
+)
+@click.option(
     "--fleet",
     "fleet_specs",
     multiple=True,
@@ -248,6 +255,7 @@ def _run(**kw: Any) -> dict[str, Any]:
                 )
     trace = read_trace(Path(kw["trace_path"]), workload) if kw["trace_path"] else None
     ctx = Context(model, workload, accelerators, link, kw["count"], kw["seed"], trace)
+    ctx.min_duration_s = kw["min_duration_s"]
     rates = _floats("--rate", kw["rate"]) if kw["rate"] else None
     plot_dir = Path(kw["plot_dir"]) if kw["plot_dir"] else None
     if kw["do_search"]:
@@ -398,7 +406,7 @@ def _search(
                 }
             )
             sub = Context(ctx.model, wl, ctx.accelerators, ctx.link, ctx.requests, ctx.seed,
-                          ctx.trace)  # fmt: skip
+                          ctx.trace, min_duration_s=ctx.min_duration_s)  # fmt: skip
             ans = cheapest(sub, base, rate, gpus, kw["target"])
             for c in ans.candidates:
                 series.setdefault(c.layout, []).append((s, c.cost_per_hour))

@@ -253,6 +253,7 @@ class Simulation:
     def prefill_done(self, p: Server, r: Req, now: float, last_chunk: int) -> None:
         """P computed ``r``'s prompt: it keeps the KV until the transfer lands on D."""
         r.held = r.computed
+        p.held_tokens += r.held
         if self.ftp and r.first_t < 0:
             r.first_t = r.last_t = now
             r.generated = 1
@@ -278,6 +279,7 @@ class Simulation:
         p = r.pserver
         assert p is not None
         p.kv_used -= r.held
+        p.held_tokens -= r.held
         r.held = 0
         p.backend.outstanding -= 1
         p.kick(now)

@@ -228,18 +228,39 @@ def cheapest(
                 candidates.append(
                     _cheapest_split(meets, pool, fleet_of, results, pg, dg, extra_prefill)
                 )
-    feasible = sorted((c for c in candidates if c.fleet), key=lambda c: c.cost_per_hour)
+    feasible = sorted(
+        (c for c in candidates if c.fleet),
+        key=lambda c: (c.cost_per_hour, -_attainment(c), c.fleet.gpu_count()),  # type: ignore[union-attr]
+    )
     best = feasible[0] if feasible else None
     runner = feasible[1] if len(feasible) > 1 else None
-    why = ""
-    if best and runner:
-        extra = runner.cost_per_hour / best.cost_per_hour - 1
-        why = (
-            f"{runner.fleet.label()} also meets the target but costs "  # type: ignore[union-attr]
-            f"${runner.cost_per_hour:.2f}/h against ${best.cost_per_hour:.2f}/h "
-            f"({extra:+.0%})"
-        )
+    why = _why(best, runner) if best and runner else ""
     return SearchAnswer(rate, target, best, runner, why, candidates, ctx.runs - start_runs)
+
+
+def _attainment(c: Candidate) -> float:
+    return c.result.attainment if c.result else 0.0
+
+
+def _why(best: Candidate, runner: Candidate) -> str:
+    """Why the runner-up lost: its price, else its attainment, else its GPU count."""
+    assert best.fleet is not None and runner.fleet is not None
+    head = f"{runner.fleet.label()} also meets the target but"
+    if runner.cost_per_hour > best.cost_per_hour:
+        extra = runner.cost_per_hour / best.cost_per_hour - 1
+        return (
+            f"{head} costs ${runner.cost_per_hour:.2f}/h against "
+            f"${best.cost_per_hour:.2f}/h ({extra:+.0%})"
+        )
+    if _attainment(runner) < _attainment(best):
+        return (
+            f"{head} at the same cost keeps {_attainment(runner):.1%} of requests within the "
+            f"SLO against {_attainment(best):.1%}"
+        )
+    if runner.fleet.gpu_count() > best.fleet.gpu_count():
+        return f"{head} at the same cost and attainment needs {runner.fleet.gpu_count()} GPUs"
+    simpler = " (colocated: no KV transfer to run)" if best.layout.startswith("colocated") else ""
+    return f"{head} ties on cost, attainment and GPUs; the first is preferred{simpler}"
 
 
 def _key(pools: list[PoolSpec]) -> tuple[Any, ...]:

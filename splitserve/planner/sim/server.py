@@ -21,8 +21,9 @@ it joined at, so a step costs O(1 + prompts in it + requests finishing) whatever
 KV is counted in tokens (block rounding left out). A prompt's shared head, when this server
 holds it (an LRU of ``prefix_cache_entries`` heads), is not recomputed.
 
-Invariants (tests/unit/test_sim_engine.py): ``kv_used`` never exceeds ``kv_cap``; ``kv_used``
-equals the decodes' contexts plus the prompts' computed tokens plus the KV held for handoffs.
+Invariants (tests/unit/test_sim_engine.py): ``kv_used`` never exceeds ``kv_cap``; between
+steps ``kv_used`` equals the decodes' contexts plus the prompts' computed tokens plus the KV
+held for handoffs (``held_tokens``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class Server:
         self.sum_ctx = 0
         self.finish: dict[int, list[Req]] = {}
         self.kv_used = 0
+        self.held_tokens = 0  # P: KV kept for handoffs in flight
         self.peak_kv = 0
         self.admitted = 0
         self.busy_s = 0.0
@@ -431,10 +433,10 @@ class Server:
 
     def _prefill_done(self, r: Req, now: float, last_chunk: int) -> None:
         """A prompt's last chunk ran: it emits a token here, or its KV goes to D."""
+        self._remember_prefix(r.prefix)
         if self.role == PREFILL:
             self.sim.prefill_done(self, r, now, last_chunk)
             return
-        self._remember_prefix(r.prefix)
         if r.first_t < 0:
             r.first_t = now
         elif r.last_t >= 0:  # resumed after a preemption: the stall is one gap
