@@ -11,8 +11,6 @@ Invariants: no helper cancels, or leaves a callback on, a future it was given.
 from __future__ import annotations
 
 import asyncio
-import sys
-from collections.abc import Awaitable
 from typing import Any
 
 
@@ -39,18 +37,3 @@ async def wait_any(when: float, *futures: asyncio.Future[Any]) -> bool:
         timer.cancel()
         for f in futures:
             f.remove_done_callback(wake)
-
-
-if sys.version_info >= (3, 11):
-
-    async def within(aw: Awaitable[Any], when: float) -> Any:
-        """Await ``aw`` until loop time ``when``; TimeoutError after (no extra task)."""
-        async with asyncio.timeout_at(when):
-            return await aw
-
-else:  # pragma: no cover - Python 3.10
-
-    async def within(aw: Awaitable[Any], when: float) -> Any:
-        """Await ``aw`` until loop time ``when``; TimeoutError after."""
-        remaining = max(0.0, when - asyncio.get_running_loop().time())
-        return await asyncio.wait_for(aw, remaining)

@@ -11,6 +11,7 @@ loopback has a client key unless ``insecure`` says otherwise (docs/security.md).
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -53,8 +54,9 @@ class _Endpoint(_Strict):
     def _check_url(cls, v: str) -> str:
         return _base_url(v)
 
-    @property
+    @cached_property
     def host(self) -> str:
+        # Cached (the model is frozen): read on every request of the concurrent flows.
         return urlsplit(self.url).hostname or ""
 
 

@@ -39,7 +39,7 @@ import logging
 from typing import Any
 
 from splitserve.proxy import dispatch, jsonio, relay, stitch
-from splitserve.proxy.aio import within
+from splitserve.proxy.aio import wait_any
 from splitserve.proxy.calls import Call, PeerFailed, PeerWatch, UpstreamCalls
 from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus
 from splitserve.proxy.http.client import UpstreamResponse
@@ -103,11 +103,13 @@ class FirstTokenFlow:
             # Phase 2 (streaming): the first token goes out now; the answer is committed.
             out = relay.new_stream()
             try:
-                await relay.commit(calls, call, out, head.head_events(call.body, last=False))
+                # D's answer already in: P's token goes out with D's first bytes (one write).
+                events = head.head_events(call.body, last=False)
+                await relay.commit(calls, call, out, events, more_now=opening.done())
                 resp, first = await self._first_chunk(call, out, opening, d, p_done)
                 if resp is not None:
                     rewriter = stitch.StreamRewriter(head)
-                    await out.write(rewriter.feed(first))
+                    await relay.send(out, rewriter.feed(first), resp)
                     if await relay.pipe(calls, call, out, resp, d, t0, rewriter):
                         resp = None
             except ConnectionError:  # a write to a client that went away
@@ -174,8 +176,8 @@ class FirstTokenFlow:
         out = relay.new_stream()
         with contextlib.suppress(ConnectionError):
             await out.prepare(call.request)
-            await out.write(head.head_events(call.body, last=True))
-            await out.write_eof()
+            out.hold(head.head_events(call.body, last=True))
+            await out.write_eof()  # one write: the head, the events and the end
         return out
 
     async def _opened(self, opening: asyncio.Task[_Opened], d: Backend) -> _Opened:
@@ -223,11 +225,11 @@ class FirstTokenFlow:
         answer; on a failure the client's stream gets an SSE ``error`` event and ``None``."""
         calls = self.calls
         try:
-            if opening.done():  # the usual case on a fast D: no timer to arm
-                resp, first = opening.result()
-            else:
+            if not opening.done():  # else the usual case on a fast D: no timer to arm
                 until = min(call.deadline, p_done + calls.first_byte_s)
-                resp, first = await within(opening, until)
+                if not await wait_any(until, opening):
+                    raise TimeoutError
+            resp, first = opening.result()
         except (TimeoutError, OSError) as e:
             err = calls.map_error(e, d, "the decode server's first byte")
             call.outcome.error_kind = f"midstream_{err.kind}"

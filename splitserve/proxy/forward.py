@@ -237,7 +237,7 @@ class Forwarder:
                 return Response(first)
             out = relay.new_stream()
             try:
-                await relay.commit(calls, call, out, first)
+                await relay.commit(calls, call, out, first, more_now=resp.at_end)
                 if await relay.pipe(calls, call, out, resp, d, t0):
                     resp = None
             except ConnectionError:  # a write to a client that went away

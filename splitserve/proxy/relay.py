@@ -33,11 +33,17 @@ def new_stream() -> StreamResponse:
     return StreamResponse(status=200, headers=SSE_HEADERS)
 
 
-async def commit(calls: UpstreamCalls, call: Call, out: StreamResponse, first: bytes) -> None:
+async def commit(
+    calls: UpstreamCalls, call: Call, out: StreamResponse, first: bytes, more_now: bool = False
+) -> None:
     """Send the status line and ``first`` (the client's first bytes: D's first chunk, or P's
-    token); from here on the answer is the client's."""
+    token); from here on the answer is the client's. ``more_now``: the caller writes more (or
+    the end) without awaiting anything first, so these bytes go out with it in one write."""
     await out.prepare(call.request)
-    await out.write(first)
+    if more_now:
+        out.hold(first)
+    else:
+        await out.write(first)
     calls.metrics.of(calls.metrics.ttft, call.route).observe(calls.loop.time() - call.t_start)
     call.outcome.status = 200
 
@@ -57,9 +63,7 @@ async def pipe(
     rewrite = None if rewriter is None else rewriter.feed
     clean = await _copy(calls, resp, out, d, call.outcome, call.deadline, rewrite)
     if rewriter is not None:
-        rest = rewriter.flush()
-        if rest:
-            await out.write(rest)
+        out.hold(rewriter.flush())  # goes out with the end, below
     if clean:
         resp.release()
         calls.succeeded(d)
@@ -98,9 +102,18 @@ async def _copy(
             return True
         if rewrite is not None:
             chunk = rewrite(chunk)
-            if not chunk:
-                continue
-        await out.write(chunk)
+        await send(out, chunk, resp)
+        if resp.at_end:
+            return True
+
+
+async def send(out: StreamResponse, data: bytes, resp: UpstreamResponse) -> None:
+    """Relay ``data``, D's latest bytes: at once, or, when D's answer is complete (the end of
+    the client's stream follows without a wait), held to go out with that end in one write."""
+    if resp.at_end:
+        out.hold(data)
+    else:
+        await out.write(data)
 
 
 def client_went_away(outcome: RequestOutcome, d: Backend) -> None:

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +133,12 @@ def first_token_eligible(body: dict[str, Any]) -> bool:
     return options is None or isinstance(options, dict)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefillHead:
     """The client's first token, from P's (non-streamed, one-token) answer (what the proxy
-    sends first; not ``transfer.messages.FirstToken``, the connector's message to D)."""
+    sends first; not ``transfer.messages.FirstToken``, the connector's message to D). Not
+    changed once made (a plain slotted class: a frozen one costs several microseconds to build,
+    once per request)."""
 
     chat: bool
     id: str
@@ -290,26 +293,41 @@ class StreamRewriter:
     """Rewrites D's SSE stream after the first token was sent: one ``id``, no second chat role
     chunk, usage counting P's token. Feed it D's bytes as they come; it returns whole events.
 
-    Most of D's events (one token each) need only their ``id`` changed. Once an event parsed in
-    full has shown D's id, an event that holds exactly ``"id":"<D's id>"`` and no ``"usage":``,
-    ``"role":`` or ``"error":`` key gets that one substring replaced instead of being decoded
-    and encoded again: in JSON an unescaped ``"`` only delimits strings, so the pattern can
-    only be the ``id`` key with D's id as its value, never text. Any other event is parsed."""
+    Most of D's events (one token each) need only their ``id`` changed. The first event parsed
+    in full shows D's id and how D writes it (``"id":"<id>"``, with whatever spaces D puts
+    around the colon); from then on an event that holds those bytes and no ``"usage"``,
+    ``"role"`` or ``"error"`` string gets the id's value replaced in place instead of being
+    decoded and encoded again. In JSON an unescaped ``"`` only delimits strings, so the pattern
+    can only be an ``id`` key with D's id as its value, never text; and a key named like a
+    marker cannot hide behind spaces, since the markers are looked for without the colon. Any
+    other event is parsed."""
 
     def __init__(self, head: PrefillHead) -> None:
         self.head = head
         self._buffer = b""
-        self._d_id: bytes | None = None  # b'"id":"<D's id>"' as D wrote it, once seen
-        self._p_id = b'"id":' + jsonio.dumps(head.id) if head.id else None
+        self._d_id: bytes | None = None  # D's ``"id":"<id>"`` bytes as D wrote them, once seen
+        self._p_id = b""  # the same with P's id as the value
+        self._p_value = jsonio.dumps(head.id) if head.id else None
 
     def feed(self, data: bytes) -> bytes:
         if self._buffer:
             data = self._buffer + data
-        events = data.split(b"\n\n")
-        self._buffer = events.pop()  # an unterminated event waits for its end
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = data  # an unterminated event waits for its end
+            return b""
+        end += 2
+        whole, self._buffer = data[:end], data[end:]
+        d_id = self._d_id
+        # The usual run of token events: the markers are looked for once in all of them.
+        quick = d_id is not None and not _has_marker(whole)
         out = []
-        for event in events:
-            rewritten = self._rewrite(event + b"\n\n")
+        for event in whole.split(b"\n\n")[:-1]:
+            event += b"\n\n"
+            if quick and d_id in event:  # type: ignore[operator]
+                out.append(event.replace(d_id, self._p_id))  # type: ignore[arg-type]
+                continue
+            rewritten = self._rewrite(event)
             if rewritten:
                 out.append(rewritten)
         return b"".join(out)
@@ -321,14 +339,8 @@ class StreamRewriter:
 
     def _rewrite(self, event: bytes) -> bytes:
         d_id = self._d_id
-        if (
-            d_id is not None  # (only set when P's id is)
-            and d_id in event
-            and b'"usage":' not in event
-            and b'"role":' not in event
-            and b'"error":' not in event
-        ):
-            return event.replace(d_id, self._p_id)  # type: ignore[arg-type]
+        if d_id is not None and d_id in event and not _has_marker(event):
+            return event.replace(d_id, self._p_id)
         text = event.strip()
         if not text.startswith(b"data:"):
             return event
@@ -341,9 +353,9 @@ class StreamRewriter:
             return event
         if not isinstance(data, dict) or "error" in data:
             return event
-        if self.head.id:
+        if self._p_value is not None:
             if self._d_id is None and isinstance(data.get("id"), str):
-                self._d_id = b'"id":' + jsonio.dumps(data["id"])  # as D (pydantic) writes it
+                self._learn_id(payload, data["id"])
             data["id"] = self.head.id
         choices = data.get("choices")
         if self.head.chat and isinstance(choices, list):
@@ -362,3 +374,26 @@ class StreamRewriter:
         if "usage" in data:
             data["usage"] = _count_first_token(data["usage"])
         return b"data: " + jsonio.dumps(data) + b"\n\n"
+
+    def _learn_id(self, payload: bytes, d_id: str) -> None:
+        """How D writes ``"id": <d_id>`` (found once in ``payload``, an event D wrote), for the
+        quick path; not found (D escapes the id otherwise than orjson), the quick path stays
+        off and every event is parsed."""
+        value = jsonio.dumps(d_id)
+        m = _ID_KEY.search(payload)
+        while m is not None:
+            if payload.startswith(value, m.end()):
+                pattern = payload[m.start() : m.end() + len(value)]
+                if payload.count(pattern) == 1:
+                    self._d_id = pattern
+                    self._p_id = payload[m.start() : m.end()] + self._p_value  # type: ignore[operator]
+                return
+            m = _ID_KEY.search(payload, m.end())
+
+
+_ID_KEY = re.compile(rb'"id"\s*:\s*')
+
+
+def _has_marker(data: bytes) -> bool:
+    """True when ``data`` holds a key (or string) the quick path must not pass unparsed."""
+    return b'"usage"' in data or b'"role"' in data or b'"error"' in data

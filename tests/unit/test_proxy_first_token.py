@@ -216,12 +216,16 @@ def test_stream_rewriter_one_id_no_second_role_usage_counts_the_first_token():
     assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
 
 
-def _sse(event: Any, compact: bool = True) -> bytes:
-    text = json.dumps(event, separators=(",", ":")) if compact else json.dumps(event)
+# How D may write its JSON: as vLLM does (compact), as json.dumps does, spaces on both sides.
+_SEPARATORS = {"compact": (",", ":"), "spaced": (", ", ": "), "loose": (" , ", " : ")}
+
+
+def _sse(event: Any, style: str = "compact") -> bytes:
+    text = json.dumps(event, separators=_SEPARATORS[style])
     return b"data: " + text.encode() + b"\n\n"
 
 
-def _stream_of_d(chat: bool, compact: bool) -> bytes:
+def _stream_of_d(chat: bool, style: str) -> bytes:
     """D's stream as vLLM writes it (compact JSON) or with spaces, with the awkward events."""
     base = {"id": "d-id", "object": "x", "created": 2, "model": "tiny"}
     key = "delta" if chat else "text"
@@ -243,7 +247,7 @@ def _stream_of_d(chat: bool, compact: bool) -> bytes:
         {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
         {"error": {"message": "broke", "id": "d-id"}},
     ]
-    return b"".join(_sse(e, compact) for e in events) + b"data: [DONE]\n\n"
+    return b"".join(_sse(e, style) for e in events) + b"data: [DONE]\n\n"
 
 
 class _ParseEveryEvent(stitch.StreamRewriter):
@@ -259,10 +263,10 @@ class _ParseEveryEvent(stitch.StreamRewriter):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("style", sorted(_SEPARATORS))
 @pytest.mark.parametrize("cut", [1, 7, 64, 10_000])
 def test_stream_rewriter_fast_path_gives_what_parsing_every_event_gives(
-    chat, compact, cut, monkeypatch
+    chat, style, cut, monkeypatch
 ):
     decoded: list[bytes] = []
     loads = stitch.jsonio.loads
@@ -270,7 +274,7 @@ def test_stream_rewriter_fast_path_gives_what_parsing_every_event_gives(
     head = stitch.PrefillHead.from_prefill_answer(
         StubVllm._whole(chat, ["A"], "length", "p-id"), chat=chat
     )
-    wire = _stream_of_d(chat, compact)
+    wire = _stream_of_d(chat, style)
     fast, slow = stitch.StreamRewriter(head), _ParseEveryEvent(head)
     got_fast, got_slow = b"", b""
     for i in range(0, len(wire), cut):
@@ -281,10 +285,10 @@ def test_stream_rewriter_fast_path_gives_what_parsing_every_event_gives(
         got_slow += slow.feed(wire[i : i + cut])
     got_slow += slow.flush()
     parsed_slow = len(decoded) - parsed_fast
-    # Compact (as vLLM writes): after the first event parsed (it shows D's id), the token
-    # events without usage, role or error skip parsing (3 of them; 4 in chat, where the first
-    # event parsed is D's role chunk).
-    skipped = (4 if chat else 3) if compact else 0
+    # Compact (as vLLM writes) or with spaces: after the first event parsed (it shows D's id
+    # and how D writes it), the token events without usage, role or error skip parsing (3 of
+    # them; 4 in chat, where the first event parsed is D's role chunk).
+    skipped = 4 if chat else 3
     assert parsed_fast == parsed_slow - skipped
 
     def parsed(raw: bytes) -> list[Any]:

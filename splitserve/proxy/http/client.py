@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
+import select
 import ssl
 import time
 from collections.abc import Callable
@@ -71,27 +71,36 @@ class UpstreamDisconnected(ConnectionError):
         self.answered = answered
 
 
-def _peer_open(transport: asyncio.BaseTransport) -> bool:
-    """True when an idle connection's socket shows nothing: no end of stream, no reset, no
-    unsolicited bytes (a non-blocking peek, consuming nothing). The loop may not have run the
-    callbacks of a close that already reached the kernel; this sees it before a request is
-    written."""
+# What a quiet, open idle connection never shows: bytes or an end of stream to read (POLLIN),
+# the peer's half-close (POLLRDHUP, Linux), an error or a hang-up (always reported).
+_UNFIT = select.POLLIN | select.POLLPRI | getattr(select, "POLLRDHUP", 0)
+
+
+def _watch_socket(transport: asyncio.BaseTransport) -> select.poll | None:
+    """A poll set on the connection's socket, made once per connection, so that checking it
+    before a reuse (``_peer_open``) is one ``poll(0)`` system call: no socket object, no
+    exception. None when there is no socket to look at (the loop's view then stands)."""
     sock = transport.get_extra_info("socket")
     if sock is None:
-        return True  # nothing to look at (not a socket transport): the loop's view stands
+        return None
     try:
-        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+        watch = select.poll()
+        watch.register(sock.fileno(), _UNFIT)
+    except (OSError, ValueError):
+        return None
+    return watch
+
+
+def _peer_open(watch: select.poll | None) -> bool:
+    """True when an idle connection's socket shows nothing: no end of stream, no reset, no
+    unsolicited bytes (consuming nothing). The loop may not have run the callbacks of a close
+    that already reached the kernel; this sees it before a request is written."""
+    if watch is None:
+        return True
+    try:
+        return not watch.poll(0)
     except OSError:
         return False
-    try:
-        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return True  # nothing to read: open and quiet
-    except OSError:
-        return False  # reset
-    finally:
-        raw.detach()  # the transport owns the descriptor
-    return False  # end of stream, or bytes nobody asked for
 
 
 class _Connection(asyncio.Protocol):
@@ -105,10 +114,12 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.got_bytes = False
         self.idle_since = 0.0
+        self.watch: select.poll | None = None  # its socket, checked before each reuse
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.watch = _watch_socket(transport)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -234,6 +245,11 @@ class UpstreamResponse:
         """True when ``readany`` answers without waiting (bytes, the end or an error are here):
         a caller can skip arming a timeout for it."""
         return bool(self._chunks) or self.complete or self._error is not None
+
+    @property
+    def at_end(self) -> bool:
+        """True when the whole answer has arrived and been read: nothing more will come."""
+        return self.complete and not self._chunks and self._error is None
 
     async def readany(self) -> bytes:
         """The body bytes that arrived since the last read (waits for some); b"" at the end."""
@@ -366,7 +382,7 @@ class _Pool:
             t = conn.transport
             if conn.lost or t is None or t.is_closing():
                 continue
-            if now - conn.idle_since <= _MAX_IDLE_S and _peer_open(t):
+            if now - conn.idle_since <= _MAX_IDLE_S and _peer_open(conn.watch):
                 return conn
             conn.abort()
         return None

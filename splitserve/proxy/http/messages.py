@@ -96,10 +96,16 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class StreamResponse:
-    """An answer written as it is produced: ``prepare`` sends the head, ``write`` a piece of
-    the body, ``write_eof`` the end. Chunked for HTTP/1.1 clients, close-delimited for 1.0."""
+    """An answer written as it is produced: ``prepare`` decides the framing, ``write`` sends a
+    piece of the body, ``write_eof`` the end. Chunked for HTTP/1.1 clients, close-delimited for
+    1.0.
 
-    __slots__ = ("status", "headers", "_conn", "_chunked", "_done")
+    Bytes go out in as few writes (system calls, each costing the receiver's TCP work too on
+    loopback) as the caller allows: the head waits for the first body bytes (``prepare`` sends
+    nothing), and ``hold`` keeps a piece for the next ``write`` or ``write_eof`` when the caller
+    knows that one follows at once (e.g. the upstream answer is complete)."""
+
+    __slots__ = ("status", "headers", "_conn", "_chunked", "_done", "_held")
 
     def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
         self.status = status
@@ -107,12 +113,15 @@ class StreamResponse:
         self._conn: Connection | None = None
         self._chunked = True
         self._done = False
+        self._held = b""  # encoded bytes not written yet: the head, pieces held
 
     @property
     def prepared(self) -> bool:
         return self._conn is not None
 
     async def prepare(self, request: Request) -> None:
+        """Fix the status, headers and framing; the head goes out with the first body bytes
+        (``write``) or the end (``write_eof``)."""
         conn = request.connection
         if conn is None or conn.closing:
             raise ConnectionResetError("the client went away")
@@ -121,28 +130,47 @@ class StreamResponse:
         if not self._chunked or conn.shutting_down:
             conn.keep_alive = False  # 1.0: the end of the body is the end of the connection
         framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
-        conn.write(encode_head(self.status, self.headers, conn.keep_alive, conn.version, framing))
-        await conn.drain()
+        self._held = encode_head(self.status, self.headers, conn.keep_alive, conn.version, framing)
+
+    def _encode(self, data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+
+    def hold(self, data: bytes) -> None:
+        """Keep ``data`` for the next ``write`` or ``write_eof``, which the caller makes without
+        awaiting anything else first."""
+        if self._conn is None:
+            raise RuntimeError("write before prepare")
+        if data:  # an empty chunk would end a chunked body
+            self._held += self._encode(data)
 
     async def write(self, data: bytes) -> None:
+        """Send ``data`` (and whatever was held). Nothing to send: nothing is written."""
         conn = self._conn
         if conn is None:
             raise RuntimeError("write before prepare")
         if conn.closing:
             raise ConnectionResetError("the client went away")
+        if data:  # an empty chunk would end a chunked body
+            data = self._encode(data)
+        if self._held:
+            data, self._held = self._held + data, b""
         if not data:
-            return  # an empty chunk would end a chunked body
-        conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+            return
+        conn.write(data)
         if conn.write_paused:
             await conn.drain()
 
     async def write_eof(self) -> None:
+        """The end of the body, with whatever was held, in one write."""
         conn = self._conn
         if conn is None or self._done:
             return
         self._done = True
-        if self._chunked and not conn.closing:
-            conn.write(b"0\r\n\r\n")
+        data, self._held = self._held, b""
+        if self._chunked:
+            data += b"0\r\n\r\n"
+        if data and not conn.closing:
+            conn.write(data)
         await conn.drain()
 
 
