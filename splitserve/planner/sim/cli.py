@@ -180,6 +180,11 @@ def _prices(items: tuple[str, ...]) -> dict[str, float]:
 )
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(
+    "--no-chunked-prefill",
+    is_flag=True,
+    help="Whole prompts in prefill-only steps first (vLLM V0's default).",
+)
+@click.option(
     "--efficiency", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True
 )
 @click.option("--step-overhead-ms", type=click.FloatRange(min=0), default=0.0, show_default=True)
@@ -330,6 +335,7 @@ def _base_fleet(kw: dict[str, Any]) -> Fleet:
         server=ServerSettings(
             max_num_batched_tokens=kw["max_num_batched_tokens"],
             max_num_seqs=kw["max_num_seqs"],
+            chunked_prefill=not kw["no_chunked_prefill"],
             efficiency=kw["efficiency"],
             step_overhead_ms=kw["step_overhead_ms"],
             kv_dtype=kw["kv_dtype"].lower(),

@@ -144,6 +144,7 @@ class Simulation:
                 st.prefix_cache_entries,
                 policy,
                 self,
+                chunked=st.chunked_prefill,
             )
             backend = Backend(pool=spec.role, url=f"sim://{spec.role}/{i}", settings=srv)
             srv.backend = backend

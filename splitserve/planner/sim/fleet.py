@@ -66,6 +66,9 @@ class ServerSettings(BaseModel):
 
     max_num_batched_tokens: int = Field(8192, ge=1)
     max_num_seqs: int = Field(256, ge=1)
+    chunked_prefill: bool = Field(
+        True, description="False: vLLM V0's default, prompts whole in prefill-only steps first"
+    )
     efficiency: float = Field(1.0, gt=0, le=1, description="share of peak FLOP/s and bandwidth")
     step_overhead_ms: float = Field(0.0, ge=0, description="fixed cost added to every step")
     prefix_cache_entries: int = Field(256, ge=0, description="shared heads a server keeps")
@@ -153,14 +156,23 @@ class Fleet(BaseModel):
 
 
 _ROLE_LETTERS = {"p": "prefill", "d": "decode", "c": "colocated"}
-_FLAGS = ("adaptive", "per-request", "bulk", "layerwise", "prefix", "first-token-from-prefill")
+_FLAGS = (
+    "adaptive",
+    "per-request",
+    "bulk",
+    "layerwise",
+    "prefix",
+    "first-token-from-prefill",
+    "no-chunked-prefill",
+)
 
 
 def parse_fleet(spec: str, base: Fleet) -> Fleet:
     """A fleet from ``--fleet`` text: pools ``<count><P|D|C>[:<GPU>[x<GPUs per server>]]``
     joined by ``,``, then optional ``/flag,flag`` (``adaptive``: the adaptive budget on
     decode/colocated servers; ``per-request``: the per-request rule; ``bulk`` / ``layerwise``:
-    the handoff; ``prefix``: prefix-affinity routing; ``first-token-from-prefill``).
+    the handoff; ``prefix``: prefix-affinity routing; ``first-token-from-prefill``;
+    ``no-chunked-prefill``: whole prompts in prefill-only steps, vLLM V0's default).
     Example: ``2P:H100,6D:A100/adaptive,per-request``. ``base`` supplies everything else."""
     head, _, tail = spec.partition("/")
     pools = []
@@ -201,4 +213,7 @@ def parse_fleet(spec: str, base: Fleet) -> Fleet:
     link = base.link
     if "bulk" in flags or "layerwise" in flags:
         link = link.model_copy(update={"mode": "bulk" if "bulk" in flags else "layerwise"})
-    return Fleet(pools=pools, server=base.server, routing=routing, link=link, prices=base.prices)
+    server = base.server
+    if "no-chunked-prefill" in flags:
+        server = server.model_copy(update={"chunked_prefill": False})
+    return Fleet(pools=pools, server=server, routing=routing, link=link, prices=base.prices)

@@ -117,8 +117,10 @@ class Server:
         prefix_entries: int,
         policy: BudgetPolicy | None,
         sim: Simulation,
+        chunked: bool = True,
     ) -> None:
         self.sid = sid
+        self.chunked = chunked
         self.role = role
         self.timer = timer
         self.kv_cap = kv_cap
@@ -128,7 +130,8 @@ class Server:
         self.sim = sim
         self.backend: Any = None  # the proxy's routing.Backend for this server
         self.busy = False
-        self.step_no = 0
+        self.dstep = 0  # decode steps run so far: decodes' positions count in these
+        self.last_dec_end = 0.0
         self.step_start = 0.0
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
@@ -219,11 +222,11 @@ class Server:
         """Free ``r``'s KV and queue it first to recompute what it has (vLLM recompute)."""
         self.sim.recorder.preemptions += 1
         if r in self.decoding:
-            if 0 <= r.gap_from < self.step_no:
+            if 0 <= r.gap_from < self.dstep:
                 r.max_gap = max(r.max_gap, self._max_gap_since(r.gap_from))
             r.last_t = now
-            ctx = r.ctx0 + (self.step_no - r.step0)
-            generated = r.gen0 + (self.step_no - r.step0)
+            ctx = r.ctx0 + (self.dstep - r.step0)
+            generated = r.gen0 + (self.dstep - r.step0)
             self._leave_decoding(r)
             self.kv_used -= ctx
             r.generated = generated
@@ -239,7 +242,7 @@ class Server:
     def _leave_decoding(self, r: Req) -> None:
         del self.decoding[r]
         self.n_dec -= 1
-        self.sum_ctx -= r.ctx0 + (self.step_no - r.step0)
+        self.sum_ctx -= r.ctx0 + (self.dstep - r.step0)
 
     def start_step(self, now: float) -> None:
         """Schedule the next step (see module docstring) and queue its end event."""
@@ -273,6 +276,8 @@ class Server:
             preempted = True
         cap = self.kv_cap
         free = cap - self.kv_used - self.n_dec
+        if not self.chunked and not preempted and self._whole_prompts(now, free):
+            return
         tokens = pairs = kv_read = sampled = 0
         chunks: list[tuple[Req, int]] = []
         fresh: list[Req] = []
@@ -302,7 +307,7 @@ class Server:
                 waiting.popleft()
                 self.admitted += 1
                 r.admit = self.admitted
-                r.step0 = self.step_no
+                r.step0 = self.dstep
                 self.decoding[r] = None
                 self.n_dec += 1
                 self.sum_ctx += r.ctx0
@@ -313,6 +318,8 @@ class Server:
                 left -= 1
                 running += 1
                 continue
+            if not self.chunked:
+                break  # prompts run in prefill-only steps (_whole_prompts)
             if r.computed == 0 and r.generated == 0 and self.holds_prefix(r.prefix):
                 r.computed = min(r.prefix_len, r.target - 1)
                 self.kv_used += r.computed
@@ -368,6 +375,56 @@ class Server:
         sim = self.sim
         heappush(sim.heap, (now + dt, next(sim.seq), 0, self))
 
+    def _whole_prompts(self, now: float, free: int) -> bool:
+        """Without chunked prefill (vLLM's V0 default), waiting prompts run whole, alone, in a
+        step of their own, before any decode step; True if such a step was started."""
+        waiting = self.waiting
+        left = self.max_tokens
+        running = self.n_dec + len(self.prefilling)
+        chunks: list[tuple[Req, int]] = []
+        tokens = pairs = kv_read = 0
+        while waiting and running < self.max_seqs:
+            r = waiting[0]
+            if r.ready:
+                break
+            cached = 0
+            if r.computed == 0 and r.generated == 0 and self.holds_prefix(r.prefix):
+                cached = min(r.prefix_len, r.target - 1)
+            take = r.target - r.computed - cached
+            if (chunks and take > left) or take + cached > free:
+                break
+            waiting.popleft()
+            r.computed += cached
+            self.kv_used += cached
+            self.admitted += 1
+            r.admit = self.admitted
+            if r.prefill_start < 0:
+                r.prefill_start = now
+            self.prefilling.append(r)
+            c = r.computed
+            chunks.append((r, take))
+            tokens += take
+            pairs += take * c + take * (take + 1) // 2
+            kv_read += c
+            left -= take
+            free -= take + cached
+            running += 1
+        if not chunks:
+            return False
+        self.kv_used += tokens
+        if self.kv_used > self.peak_kv:
+            self.peak_kv = self.kv_used
+        self._chunks = chunks
+        self._fresh = []
+        self._dec_in_step = 0
+        self._features = None
+        dt = self.timer.seconds(tokens, pairs, kv_read, len(chunks))
+        self.busy = True
+        self.step_start = now
+        sim = self.sim
+        heappush(sim.heap, (now + dt, next(sim.seq), 0, self))
+        return True
+
     def _schedule_finish(self, r: Req) -> None:
         """File ``r`` under the step that emits its last token."""
         s = r.step0 + (r.output - r.gen0) - 1
@@ -379,49 +436,54 @@ class Server:
 
     def end_step(self, now: float) -> None:
         """Apply the step that just ended, then start the next one."""
-        s = self.step_no
         dt = now - self.step_start
         self.busy_s += dt
         self.steps += 1
         if self._features is not None:
             assert self.policy is not None
             self.policy.observe(self._features, dt)
-        # the step's gap goes on the suffix-max stack the requests' largest gaps are read from
-        idx, val = self._gap_idx, self._gap_val
-        while val and val[-1] <= dt:
-            val.pop()
-            idx.pop()
-        idx.append(s)
-        val.append(dt)
-        recorder = self.sim.recorder
-        fresh = self._fresh
-        for r in fresh:  # first token on D
-            if r.first_t < 0:
-                r.first_t = now
-            elif r.gap_from < 0:
-                gap = now - r.last_t
-                if gap > r.max_gap:
-                    r.max_gap = gap
-            r.gap_from = s + 1
-            r.last_t = now
-        emitted = self._dec_in_step - len(fresh)
-        if emitted > 0:  # GapHistogram.add, inlined: this runs once per step
-            gaps = recorder.gaps
-            i = int(log10(dt / MIN_GAP_S if dt > MIN_GAP_S else 1.0) * BINS_PER_DECADE)
-            gaps.counts[i if i < NBINS else NBINS] += emitted
-            gaps.total += emitted
-        self.sum_ctx += self._dec_in_step
+        n_dec = self._dec_in_step
+        d = self.dstep
+        if n_dec:
+            # the decodes' gap: since the previous decode step (prefill-only steps between
+            # count), pushed on the suffix-max stack the requests' largest gaps are read from
+            gap = now - self.last_dec_end
+            idx, val = self._gap_idx, self._gap_val
+            while val and val[-1] <= gap:
+                val.pop()
+                idx.pop()
+            idx.append(d)
+            val.append(gap)
+            fresh = self._fresh
+            for r in fresh:  # first token on D
+                if r.first_t < 0:
+                    r.first_t = now
+                elif r.gap_from < 0:
+                    stall = now - r.last_t
+                    if stall > r.max_gap:
+                        r.max_gap = stall
+                r.gap_from = d + 1
+                r.last_t = now
+            emitted = n_dec - len(fresh)
+            if emitted > 0:  # GapHistogram.add, inlined: this runs once per step
+                gaps = self.sim.recorder.gaps
+                i = int(log10(gap / MIN_GAP_S if gap > MIN_GAP_S else 1.0) * BINS_PER_DECADE)
+                gaps.counts[i if i < NBINS else NBINS] += emitted
+                gaps.total += emitted
+            self.sum_ctx += n_dec
+            self.dstep = d + 1
+            self.last_dec_end = now
         for r, take in self._chunks:
             r.computed += take
             if r.computed >= r.target:
                 self.prefilling.remove(r)
                 self._prefill_done(r, now, take)
-        self.step_no = s + 1
-        done = self.finish.pop(s, None)
-        if done:
-            for r in done:
-                if r in self.decoding and r.step0 + (r.output - r.gen0) - 1 == s:
-                    self._complete(r, now, s)
+        if n_dec:
+            done = self.finish.pop(d, None)
+            if done:
+                for r in done:
+                    if r in self.decoding and r.step0 + (r.output - r.gen0) - 1 == d:
+                        self._complete(r, now, d)
         self.busy = False
         if self.waiting or self.prefilling or self.n_dec:
             self.start_step(now)
@@ -450,7 +512,9 @@ class Server:
             self._finish(r, now)
             return
         r.ctx0 = r.target
-        r.step0 = self.step_no + 1
+        r.step0 = self.dstep
+        if not self.n_dec:
+            self.last_dec_end = now  # its first gap runs from this token
         r.gen0 = r.generated
         r.gap_from = r.step0
         self.decoding[r] = None
