@@ -113,7 +113,8 @@ def run_receiver(port: int, key: bytes | None) -> None:
     from splitserve.transfer.receiver import KVReceiver
     from splitserve.transfer.side_channel import SideChannel
 
-    agent = make_agent(f"D-{os.getpid()}", make_cache(seed=None))
+    cache = make_cache(seed=None)  # held while the agent lives: NIXL writes into it
+    agent = make_agent(f"D-{os.getpid()}", cache)
     channel = SideChannel(None, None, key)
     receiver = KVReceiver(agent, channel, done_timeout_s=120, abort_ack_timeout_s=5)
     receiver.expect("tid-1", "127.0.0.1", port, [9, 2, 4, 6, 1], token_offset=0)
