@@ -20,6 +20,7 @@ from splitserve.planner.catalog import (
     ACCELERATORS,
     LINKS,
     MODELS,
+    Accelerator,
     Link,
     ModelShape,
     PlannerInputError,
@@ -30,7 +31,8 @@ from splitserve.planner.catalog import (
     get_model,
 )
 from splitserve.planner.kv import KV_DTYPE_BYTES
-from splitserve.planner.plan import Plan, make_plan
+from splitserve.planner.phases import PhaseHardware
+from splitserve.planner.plan import Plan, auto_gpus_per_replica, make_plan
 from splitserve.planner.pools import Slo, Workload
 from splitserve.planner.report import render_json, render_text
 
@@ -103,6 +105,17 @@ class _OneLineErrors(click.Command):
     help=f"KV link: {', '.join(LINKS)}.",
 )
 @click.option("--link-gbps", type=_POSITIVE, help="A custom link of this many GB/s (1e9 B/s).")
+@click.option("--prefill-gpu", metavar="NAME", help="Prefill pool's accelerator (default --gpu).")
+@click.option("--decode-gpu", metavar="NAME", help="Decode pool's accelerator (default --gpu).")
+@click.option("--prefill-gpus-per-replica", type=click.IntRange(min=1))
+@click.option("--decode-gpus-per-replica", type=click.IntRange(min=1))
+@click.option(
+    "--price",
+    "price_items",
+    multiple=True,
+    metavar="GPU=DOLLARS",
+    help="Dollars per GPU-hour for the per-pool comparison (default: the catalog's).",
+)
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--output-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--rate", type=_POSITIVE, help="Requests per second (enables replica counts).")
@@ -173,6 +186,11 @@ def plan(
     nixl_sizes_mib: str,
     handoff_results: str | None,
     calibration_path: str | None,
+    prefill_gpu: str | None = None,
+    decode_gpu: str | None = None,
+    prefill_gpus_per_replica: int | None = None,
+    decode_gpus_per_replica: int | None = None,
+    price_items: tuple[str, ...] = (),
 ) -> None:
     """KV size, handoff per link, prefill intensity, chunk and pool advice, and a verdict."""
     try:
@@ -215,6 +233,15 @@ def plan(
                 "--handoff-results needs --calibrate (it checks measured "
                 "figures against the benchmark)"
             )
+        phases = _phases(
+            model,
+            acc,
+            weight_bytes,
+            gpus_per_replica,
+            (prefill_gpu, decode_gpu),
+            (prefill_gpus_per_replica, decode_gpus_per_replica),
+            price_items,
+        )
         result_plan = make_plan(
             model,
             acc,
@@ -226,6 +253,7 @@ def plan(
             efficiency=efficiency,
             weight_bytes=weight_bytes,
             slo_given=bool(slo_fields),
+            phases=phases,
         )
     except PlannerInputError as e:
         raise click.ClickException(str(e)) from None
@@ -243,6 +271,50 @@ def plan(
             + (" (measured with it)" if link is loaded.link else " (not from the file)"),
         )
     click.echo(render_json(result_plan) if as_json else render_text(result_plan))
+
+
+def _phases(
+    model: ModelShape,
+    acc: Accelerator,
+    weight_bytes: int,
+    gpus_per_replica: int | None,
+    gpus: tuple[str | None, str | None],
+    counts: tuple[int | None, int | None],
+    price_items: tuple[str, ...],
+) -> PhaseHardware | None:
+    """Hardware per pool when any per-pool option is given (catalog accelerators; the
+    colocated pool keeps --gpu), else None (one hardware type, the plan as before)."""
+    if not any(gpus) and not any(counts) and not price_items:
+        return None
+    pre = get_accelerator(gpus[0]) if gpus[0] else acc
+    dec = get_accelerator(gpus[1]) if gpus[1] else acc
+
+    def per_replica(a: Accelerator, given: int | None) -> int:
+        return given or gpus_per_replica or auto_gpus_per_replica(model, a, weight_bytes)
+
+    return PhaseHardware(
+        prefill=pre,
+        decode=dec,
+        prefill_gpus=per_replica(pre, counts[0]),
+        decode_gpus=per_replica(dec, counts[1]),
+        colocated_gpus=per_replica(acc, None),
+        prices=parse_prices(price_items),
+    )
+
+
+def parse_prices(items: tuple[str, ...]) -> dict[str, float]:
+    """``GPU=DOLLARS`` options as a dict; a malformed one is a ``PlannerInputError``."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            price = float(value)
+        except ValueError:
+            price = -1.0
+        if not name or not price >= 0:
+            raise PlannerInputError(f"--price {item!r}: expected GPU=DOLLARS_PER_GPU_HOUR")
+        out[name] = price
+    return out
 
 
 def _slo_fields(ttft_ms: float | None, itl_ms: float | None) -> dict[str, float]:

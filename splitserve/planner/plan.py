@@ -17,6 +17,7 @@ from splitserve.planner.catalog import LINKS, Accelerator, Link, ModelShape, Pla
 from splitserve.planner.decide_threshold import DecideThreshold, decide_threshold
 from splitserve.planner.handoff import Handoff, handoff
 from splitserve.planner.kv import KvSizes, dtype_bytes, kv_sizes
+from splitserve.planner.phases import PhaseHardware, phase_pools
 from splitserve.planner.pools import (
     MEMORY_UTILISATION,
     ColocatedPool,
@@ -140,6 +141,7 @@ def make_plan(
     weight_bytes: int = BF16_BYTES,
     compare_links: bool = True,
     slo_given: bool = False,
+    phases: PhaseHardware | None = None,
 ) -> Plan:
     """Every figure of a plan, step by step: replica, KV sizes, handoff per link, prefill
     intensity, chunk advice, pools; then the assumptions those figures rest on."""
@@ -175,9 +177,14 @@ def make_plan(
             f"no SLO given: TTFT {slo.ttft_s:g} s and ITL {slo.itl_s * 1e3:g} ms assumed"
         )
     pools = _pools(ctx, this_handoff)
+    hardware = _hardware_summary(acc, link, replica, gpus, efficiency, kv_dtype)
+    if phases is not None:  # prefill and decode pools on their own hardware, compared by cost
+        split = phase_pools(ctx, phases, pools.colocated, acc, link, efficiency)
+        pools = Pools(split.prefill, split.decode, pools.colocated, split.verdict)
+        hardware["phases"] = split.summary
     return Plan(
         model=_model_summary(model, weight_bytes),
-        hardware=_hardware_summary(acc, link, replica, gpus, efficiency, kv_dtype),
+        hardware=hardware,
         kv=kv,
         handoff=this_handoff,
         handoff_by_link=by_link,

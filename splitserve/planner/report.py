@@ -61,7 +61,10 @@ def render_text(plan: Plan) -> str:
         _chunks_section(plan),
     ]
     if plan.pools is not None:
-        out += [_pools_section(plan, plan.pools), _verdict_section(plan.pools)]
+        out += [_pools_section(plan, plan.pools)]
+        if plan.hardware.get("phases"):
+            out.append(_phases_section(plan.hardware["phases"]))
+        out.append(_verdict_section(plan.pools))
     if plan.decide is not None:
         out.append(_decide_section(plan))
     if plan.calibration:
@@ -113,6 +116,20 @@ def _replica_section(plan: Plan) -> str:
             ],
         ),
     )
+
+
+def _phases_section(ph: dict[str, Any]) -> str:
+    """Hardware per pool (--prefill-gpu / --decode-gpu) and its price."""
+    rows = [
+        [role, f"{ph[role]['gpus_per_replica']} x {ph[role]['accelerator']}",
+         _price(ph[role]["price_per_gpu_hour"])]
+        for role in ("prefill", "decode", "colocated")
+    ]  # fmt: skip
+    return _section("Hardware per pool", table(["pool", "replica", "$/GPU-hour"], rows))
+
+
+def _price(x: float) -> str:
+    return "n/a (give --price)" if x != x else f"{x:.2f}"
 
 
 def _kv_section(plan: Plan) -> str:

@@ -31,7 +31,7 @@ from splitserve.planner.catalog import (
     get_link,
     get_model,
 )
-from splitserve.planner.cli import WEIGHT_DTYPE_BYTES, _OneLineErrors
+from splitserve.planner.cli import WEIGHT_DTYPE_BYTES, _OneLineErrors, parse_prices
 from splitserve.planner.kv import KV_DTYPE_BYTES
 from splitserve.planner.sim.fleet import (
     Fleet,
@@ -60,20 +60,6 @@ def _floats(option: str, text: str) -> list[float]:
     if not values or min(values) <= 0:
         raise PlannerInputError(f"{option}: expected positive numbers, got {text!r}")
     return values
-
-
-def _prices(items: tuple[str, ...]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        try:
-            price = float(value)
-        except ValueError:
-            price = -1.0
-        if not name or price < 0:
-            raise PlannerInputError(f"--price {item!r}: expected GPU=DOLLARS_PER_GPU_HOUR")
-        out[name] = price
-    return out
 
 
 @click.command(cls=_OneLineErrors)
@@ -161,7 +147,11 @@ def _prices(items: tuple[str, ...]) -> dict[str, float]:
     help="Decode/colocated servers' prefill budget.",
 )
 @click.option("--per-request", is_flag=True, help="Decide per request (D prefills short prompts).")
-@click.option("--local-threshold", type=click.IntRange(min=0), default=512, show_default=True)
+@click.option(
+    "--decide-threshold",
+    type=click.IntRange(min=0),
+    help="The proxy's decide.threshold_tokens (default: the proxy's default).",
+)
 @click.option("--routing", "policy", type=_POLICY, default="least_outstanding", show_default=True)
 @click.option("--prefix-affinity", is_flag=True)
 @click.option(
@@ -347,10 +337,10 @@ def _base_fleet(kw: dict[str, Any]) -> Fleet:
             colocated=kw["policy"],
             prefix_affinity=kw["prefix_affinity"],
             per_request=kw["per_request"],
-            local_threshold_tokens=kw["local_threshold"],
+            decide_threshold_tokens=kw["decide_threshold"],
         ),
         link=LinkSpec(name=kw["link_name"], gbps=kw["link_gbps"], mode=kw["handoff"]),
-        prices=_prices(kw["price_items"]),
+        prices=parse_prices(kw["price_items"]),
     )
 
 
