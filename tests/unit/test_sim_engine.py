@@ -16,6 +16,7 @@ from splitserve.planner.sim.engine import Simulation
 from splitserve.planner.sim.fleet import Fleet, LinkSpec, parse_fleet
 from splitserve.planner.sim.server import Server
 from splitserve.planner.sim.workload import RequestClass, Workload, generate
+from splitserve.proxy.decide import REASONS
 
 MODEL = get_model("Llama-3.1-8B")
 NVLINK = get_link("NVLink4")
@@ -131,10 +132,11 @@ def test_adaptive_budget_is_the_schedulers_policy():
         assert s.policy is not None and s.policy.model.samples_seen > 0
 
 
-def test_per_request_rule_sends_short_prompts_to_decode():
+def test_per_request_rule_is_the_proxys_and_sends_short_prompts_to_decode():
     _, res = run(fleet("1P:H100,2D:H100/per-request"), MIXED, 20.0, 800)
+    assert set(res.decisions) <= set(REASONS)  # splitserve.proxy.decide's reasons
     assert res.decisions.get("short", 0) > 0
-    assert res.decisions.get("long", 0) + res.decisions.get("prefix_on_d", 0) > 0
+    assert res.decisions.get("long", 0) + res.decisions.get("prefix_on_decode", 0) > 0
 
 
 def test_prefix_affinity_keeps_a_head_on_one_prefill_server():

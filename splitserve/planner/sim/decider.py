@@ -1,57 +1,42 @@
-"""The per-request disaggregation rule as the simulator calls it: prefill on D, or go through P.
+"""The per-request disaggregation rule in the simulator: the proxy's own, called as the proxy
+calls it.
 
-Pure; runs in the simulating process. The proxy's own decider (issue #18,
-``splitserve/proxy/decide.py``) did not exist when this was written: the simulator calls any
-object that satisfies :class:`Decider`, and :class:`ThresholdDecider` states issue #18's three
-rules. When the proxy's decider lands, an adapter that maps :class:`DecisionFacts` onto its
-inputs replaces ``ThresholdDecider`` in :func:`make_decider` (one place).
+Pure; runs in the simulating process. ``splitserve.proxy.decide`` holds the rule the proxy
+runs (straight to D when D holds most of the prompt, when its uncached tokens are at most
+``threshold_tokens``, or when P's queued work would delay it beyond D's own prefill; otherwise
+through P) and the proxy's estimate of P's queue (``QueueEstimate``: requests in flight on the
+chosen P times the mean uncached prompt it sent to P). :class:`ProxyDecider` feeds them what
+the simulator knows in the proxy's terms:
+
+- the prompt's tokens, and the tokens the chosen D holds: its shared head, if D's prefix
+  cache has it, in whole KV blocks (the proxy's ``PrefixIndex`` counts whole blocks of token
+  ids; a simulated request has a head id and a length instead of token ids);
+- P's requests in flight: its ``Backend.outstanding``, as the proxy reads it.
+
+``decode_prefill_cost_ratio`` (D's prefill cost per token over P's) is set from the two pools'
+step times when the settings leave it at 1 and the pools' hardware differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-LOCAL = True  # prefill on the chosen D
-REMOTE = False  # prefill on P, then hand the KV to D
+from splitserve.proxy.decide import DecisionInputs, DecisionSettings, QueueEstimate, decide
 
 
-@dataclass(frozen=True)
-class DecisionFacts:
-    """What the proxy knows when a request arrives (all estimates, as a proxy has them)."""
+class ProxyDecider:
+    """``splitserve.proxy.decide.decide`` with the proxy's queue estimate (one per proxy)."""
 
-    prompt_tokens: int
-    d_cached_tokens: int  # prompt head the chosen D already holds (prefix cache)
-    p_wait_s: float  # estimated queueing on the chosen P before its prefill starts
-    p_prefill_s: float  # estimated prefill time on P (alone)
-    d_prefill_s: float  # estimated prefill time of the uncached tokens on D (alone)
+    def __init__(self, settings: DecisionSettings) -> None:
+        self.settings = settings
+        self.queue = QueueEstimate()
 
-
-class Decider(Protocol):
-    def decide(self, facts: DecisionFacts) -> tuple[bool, str]:
-        """``(LOCAL or REMOTE, reason)``."""
-        ...
-
-
-class ThresholdDecider:
-    """Issue #18's rule: D prefills when the uncached prompt is short, when D holds most of the
-    prompt, or when waiting for P would cost more than D's own prefill."""
-
-    def __init__(self, threshold_tokens: int = 512, cached_share: float = 0.5) -> None:
-        self.threshold_tokens = threshold_tokens
-        self.cached_share = cached_share
-
-    def decide(self, facts: DecisionFacts) -> tuple[bool, str]:
-        uncached = facts.prompt_tokens - facts.d_cached_tokens
-        if uncached < self.threshold_tokens:
-            return LOCAL, "short"
-        if facts.d_cached_tokens >= self.cached_share * facts.prompt_tokens:
-            return LOCAL, "prefix_on_d"
-        if facts.p_wait_s > facts.d_prefill_s:
-            return LOCAL, "p_busy"
-        return REMOTE, "long"
-
-
-def make_decider(threshold_tokens: int) -> Decider:
-    """The decider the simulator uses (see module docstring)."""
-    return ThresholdDecider(threshold_tokens)
+    def decide(self, prompt_tokens: int, held_tokens: int, p_in_flight: int) -> tuple[bool, str]:
+        """``(True, reason)`` to prefill on D, ``(False, reason)`` to go through P."""
+        block = self.settings.block_tokens
+        cached = min(held_tokens // block * block, max(0, prompt_tokens - 1))
+        d = decide(
+            self.settings,
+            DecisionInputs(prompt_tokens, cached, self.queue.tokens_ahead(p_in_flight)),
+        )
+        if d.route == "disaggregate":
+            self.queue.observe(d.uncached_tokens)
+        return d.route == "decode", d.reason

@@ -11,7 +11,7 @@ proxy's own code:
   among them, and the consistent-hash ring for prefix affinity. Health checks and ejections
   are left out (no server fails here), so the policy and the ring are called directly rather
   than through ``Pool.pick``, whose health bookkeeping costs O(servers) per request;
-- the per-request rule: a ``decider.Decider`` (see that module for where it comes from);
+- the per-request rule: ``splitserve.proxy.decide`` through ``decider.ProxyDecider``;
 - the budget: ``splitserve.schedulers.policy.BudgetPolicy`` inside each adaptive server.
 
 The handoff uses the planner's formulas (``handoff.transfer_seconds``,
@@ -36,12 +36,13 @@ from splitserve.planner.catalog import Accelerator, Link, ModelShape, PlannerInp
 from splitserve.planner.handoff import exposed_streaming_seconds, transfer_seconds
 from splitserve.planner.pools import MEMORY_UTILISATION
 from splitserve.planner.roofline import weight_bytes_total
-from splitserve.planner.sim.decider import Decider, DecisionFacts, make_decider
+from splitserve.planner.sim.decider import ProxyDecider
 from splitserve.planner.sim.fleet import Fleet, PoolSpec
 from splitserve.planner.sim.metrics import Recorder, RunResult, summarize_class
 from splitserve.planner.sim.server import COLOCATED, DECODE, PREFILL, Req, Server
 from splitserve.planner.sim.steptime import StepTimer
 from splitserve.planner.sim.workload import Requests, Workload
+from splitserve.proxy.decide import DecisionSettings
 from splitserve.proxy.routing import Backend, Pool, PowerOfTwo
 from splitserve.schedulers.policy import BudgetPolicy, BudgetPolicySettings
 
@@ -62,7 +63,6 @@ class Simulation:
         requests: Requests,
         accelerators: Mapping[str, Accelerator],
         link: Link,
-        decider: Decider | None = None,
         seed: int = 0,
     ) -> None:
         self.seed = seed
@@ -85,11 +85,7 @@ class Simulation:
             if spec.count:
                 self._build_pool(spec, accelerators, itl_ms)
         routing = fleet.routing
-        self.decider = (
-            (decider or make_decider(routing.local_threshold_tokens))
-            if routing.per_request and fleet.disaggregated
-            else None
-        )
+        self.decider = self._decider() if routing.per_request and fleet.disaggregated else None
         self.layerwise = fleet.link.mode == "layerwise"
         self.ftp = routing.first_token_from_prefill
         self.in_system = 0
@@ -161,6 +157,19 @@ class Simulation:
         full = timer.seconds(chunk, chunk * (chunk + 1) // 2, 0, 1)
         self._rates[spec.role] = chunk / full  # prefill tokens per second, alone
 
+    def _decider(self) -> ProxyDecider:
+        """The proxy's rule with the fleet's settings; D's prefill cost relative to P's from
+        the pools' own step times when the hardware differs and the settings do not say."""
+        routing = self.fleet.routing
+        update: dict[str, object] = {"block_tokens": BLOCK_SIZE}
+        if routing.decide_threshold_tokens is not None:
+            update["threshold_tokens"] = routing.decide_threshold_tokens
+        if routing.decode_prefill_cost_ratio is not None:
+            update["decode_prefill_cost_ratio"] = routing.decode_prefill_cost_ratio
+        else:
+            update["decode_prefill_cost_ratio"] = self._rates[PREFILL] / self._rates[DECODE]
+        return ProxyDecider(DecisionSettings(**update))  # type: ignore[arg-type]
+
     # --- the loop -----------------------------------------------------------------------
 
     def run(self) -> RunResult:
@@ -229,16 +238,8 @@ class Simulation:
         bd.outstanding += 1
         r.dserver = d
         if self.decider is not None:
-            cached = r.prefix_len if d.holds_prefix(r.prefix) else 0
-            p_rate, d_rate = self._rates[PREFILL], self._rates[DECODE]
-            facts = DecisionFacts(
-                prompt_tokens=r.prompt,
-                d_cached_tokens=cached,
-                p_wait_s=p.queued_prefill_tokens() / p_rate,
-                p_prefill_s=r.prompt / p_rate,
-                d_prefill_s=(r.prompt - cached) / d_rate,
-            )
-            local, reason = self.decider.decide(facts)
+            held = r.prefix_len if d.holds_prefix(r.prefix) else 0
+            local, reason = self.decider.decide(r.prompt, held, bp.outstanding)
             self.recorder.decided(reason)
             if local:
                 self.recorder.local_prefills += 1

@@ -91,8 +91,13 @@ class RoutingSpec(BaseModel):
         "least_outstanding", pattern="^(round_robin|least_outstanding|power_of_two)$"
     )
     prefix_affinity: bool = False
-    per_request: bool = Field(False, description="decide per request: D prefills short prompts")
-    local_threshold_tokens: int = Field(512, ge=0, description="decider: D prefills below this")
+    per_request: bool = Field(False, description="the proxy's per-request rule (decide:)")
+    decide_threshold_tokens: int | None = Field(
+        None, ge=0, description="decide.threshold_tokens (None: the proxy's default)"
+    )
+    decode_prefill_cost_ratio: float | None = Field(
+        None, gt=0, description="decide's D/P prefill cost per token (None: from the pools)"
+    )
     first_token_from_prefill: bool = False
 
 
