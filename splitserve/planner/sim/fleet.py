@@ -150,14 +150,26 @@ class Fleet(BaseModel):
         return sum(p.count * p.gpus * price_of(p.gpu, self.prices) for p in self.pools)
 
     def label(self) -> str:
-        """Short name, e.g. ``3P H100 + 5D A100`` or ``8C H100``."""
+        """Short name, e.g. ``3P H100 + 5D A100 adaptive per-request`` or ``8C H100``."""
         parts = [
             f"{p.count}{p.role[0].upper()} {p.gpu}" + (f"x{p.gpus}" if p.gpus > 1 else "")
             for p in self.pools
             if p.count
         ]
-        extra = " per-request" if self.routing.per_request else ""
-        return " + ".join(parts) + extra
+        flags = []
+        if any(p.budget == "adaptive" for p in self.pools if p.role != "prefill"):
+            flags.append("adaptive")
+        if self.disaggregated and self.routing.per_request:
+            flags.append("per-request")
+        if not self.server.chunked_prefill:
+            flags.append("no-chunked-prefill")
+        if self.routing.prefix_affinity:
+            flags.append("prefix")
+        if self.disaggregated and self.link.mode == "bulk":
+            flags.append("bulk")
+        if self.disaggregated and self.routing.first_token_from_prefill:
+            flags.append("first-token-from-prefill")
+        return " + ".join(parts) + "".join(f" {f}" for f in flags)
 
 
 _ROLE_LETTERS = {"p": "prefill", "d": "decode", "c": "colocated"}
