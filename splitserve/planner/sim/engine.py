@@ -144,6 +144,7 @@ class Simulation:
             )
             backend = Backend(pool=spec.role, url=f"sim://{spec.role}/{i}", settings=srv)
             srv.backend = backend
+            srv.gpus = spec.gpus  # KV moves over one link per GPU, each with its share
             self.servers.append(srv)
             backends.append(backend)
         routing = self.fleet.routing
@@ -260,7 +261,7 @@ class Simulation:
             r.first_t = r.last_t = now
             r.generated = 1
         timer = p.timer
-        links = max(1, self._gpus(p))
+        links = p.gpus
         whole = transfer_seconds(r.computed * timer.kv_bytes_per_token / links, self.link)
         if self.layerwise:
             layer_x = transfer_seconds(
@@ -272,10 +273,6 @@ class Simulation:
         else:
             exposed = whole
         heapq.heappush(self.heap, (now + exposed, next(self.seq), _HANDOFF, r))
-
-    def _gpus(self, srv: Server) -> int:
-        spec = self.fleet.pool(srv.role)
-        return spec.gpus if spec else 1
 
     def _handoff_landed(self, r: Req, now: float) -> None:
         p = r.pserver

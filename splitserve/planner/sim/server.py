@@ -129,6 +129,7 @@ class Server:
         self.policy = policy
         self.sim = sim
         self.backend: Any = None  # the proxy's routing.Backend for this server
+        self.gpus = 1
         self.busy = False
         self.dstep = 0  # decode steps run so far: decodes' positions count in these
         self.last_dec_end = 0.0
@@ -168,12 +169,6 @@ class Server:
     def kick(self, now: float) -> None:
         if not self.busy and (self.waiting or self.prefilling or self.n_dec):
             self.start_step(now)
-
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens waiting or running here (the decider's view of P's queue)."""
-        return sum(r.target - r.computed for r in self.prefilling) + sum(
-            r.target - r.computed for r in self.waiting
-        )
 
     def holds_prefix(self, prefix: int) -> bool:
         return prefix >= 0 and prefix in self.prefix_cache
