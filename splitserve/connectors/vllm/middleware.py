@@ -172,9 +172,8 @@ class PrefillTargetGuard:
         refused = self._check(body, settings.allowlist)
         if refused is not None:
             param, text = refused
-            self._log.warn(
-                str(scope.get("client")), param, "refused a request (400): %s", text[:300]
-            )
+            client = (scope.get("client") or ("?",))[0]  # per host: ports change per request
+            self._log.warn(str(client), param, "refused a request from %s (400): %s", client, text)
             await _bad_request(param, text)(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
