@@ -90,22 +90,41 @@ class PeerWatch:
     (``done_at``: the handoff metric starts there). ``stop()`` as soon as this leg's answer is
     in: a callback the loop already scheduled must not touch a response being relayed."""
 
-    __slots__ = ("loop", "task", "active", "failed", "done_at", "response")
+    __slots__ = ("loop", "task", "other", "active", "failed", "done_at", "response")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Future[Any]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        task: asyncio.Future[Any] | None = None,
+        other: UpstreamResponse | None = None,
+    ) -> None:
+        """Watch the other leg's ``task``, or (first-token flow) its response ``other``
+        already written: only its failure counts then (``UpstreamResponse.on_fail``)."""
         self.loop = loop
         self.task = task
+        self.other = other
         self.active = True
         self.failed = False
         self.done_at: float | None = None
         self.response: UpstreamResponse | None = None
-        task.add_done_callback(self)
+        if task is not None:
+            task.add_done_callback(self)
+        if other is not None:
+            other.on_fail = self.fail
+            if other.error is not None:
+                self.failed = True
 
     def __call__(self, task: asyncio.Future[Any]) -> None:
         if not self.active:
             return
         if task.cancelled() or task.exception() is None:
             self.done_at = self.loop.time()
+            return
+        self.fail()
+
+    def fail(self) -> None:
+        """The other leg failed: this leg's wait ends (``PeerFailed``)."""
+        if not self.active:
             return
         self.failed = True
         if self.response is not None:
@@ -119,7 +138,10 @@ class PeerWatch:
 
     def stop(self) -> None:
         self.active = False
-        self.task.remove_done_callback(self)
+        if self.task is not None:
+            self.task.remove_done_callback(self)
+        if self.other is not None:
+            self.other.on_fail = None
 
 
 class UpstreamCalls:
@@ -297,12 +319,29 @@ class UpstreamCalls:
         ``until`` (else ``TimeoutError``; ``PeerFailed`` when ``watch`` sees P fail)."""
         on_response = None if watch is None else watch.attach
         resp = await self.client.post(d.url, path, jsonio.dumps(payload), until, on_response)
+        return resp, await self.decode_start(d, resp, stream)
+
+    async def send_decode(
+        self, d: Backend, path: str, payload: dict[str, Any], until: float
+    ) -> UpstreamResponse:
+        """D's request written (on a pooled connection at once, else once connected; errors
+        as the upstream client's), without waiting for its answer: the caller goes on (P's
+        request) and later reads it (``decode_start``) or closes it."""
+        conn = await self.client.connection(d.url, until)
+        resp = UpstreamResponse(self.loop, until)
+        self.client.send(conn, path, jsonio.dumps(payload), resp)
+        return resp
+
+    async def decode_start(self, d: Backend, resp: UpstreamResponse, stream: bool) -> bytes:
+        """D's first chunk (streaming) or its whole body (not streaming, or not a 200), once
+        its head is in, by ``resp.until``; ``resp`` is closed on any failure."""
         try:
+            await resp.wait_head()
             if resp.status != 200 or not stream:
                 raw = await resp.read()
                 self.status_seen(d, resp.status)
-                return resp, raw
-            return resp, await resp.readany()
+                return raw
+            return await resp.readany()
         except BaseException:
             resp.close()
             raise

@@ -10,8 +10,9 @@ P's, sent as soon as P answers (time to first token = P's prefill, like a coloca
 and D's answer, rewritten by ``stitch``, follows from the second token.
 
 Invariants:
-- Before P answered nothing reaches the client; a failing P (or a failed connect to D) is
-  retried on another pair as in the plain flow, D's request cancelled first.
+- Before P answered nothing reaches the client; a failing P (or a failed connect to D, found
+  before P's request is sent) is retried on another pair as in the plain flow, D's request
+  cancelled first.
 - When the first token ends the request (P stopped, or one token was asked for), D's request
   is cancelled (closing its connection makes vLLM abort it; D's connector then releases P's
   blocks) and the client gets P's token alone.
@@ -25,21 +26,20 @@ Invariants:
 
 Cost: this is the default flow for vLLM, so it adds to the per-request path only what the
 first token needs (P's answer parsed into a ``PrefillHead``, D's events rewritten by ``stitch``).
-P's request runs in the handler's task and D's is opened in one task beside it, as the plain
-concurrent flow does the other way round: D's failure interrupts P's wait through a
-done-callback (``calls.PeerWatch``), no wait on both, and no timer beyond the upstream client's
-own unless D's answer is still to come.
+No task of its own: D's request is written first (at once on a pooled connection; a new
+connection is made before P's request is sent, a round trip on a cold pool), then P's request
+runs in the handler's task while D's answer comes into its response object; D's failure
+interrupts P's wait through the response's ``on_fail`` (``calls.PeerWatch``), and no timer runs
+beyond the upstream client's own unless D's answer is still to come.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Any
 
 from splitserve.proxy import dispatch, jsonio, relay, stitch
-from splitserve.proxy.aio import wait_any
 from splitserve.proxy.calls import Call, PeerFailed, PeerWatch, UpstreamCalls
 from splitserve.proxy.errors import ProxyError, UpstreamError, UpstreamStatus
 from splitserve.proxy.http.client import UpstreamResponse
@@ -47,8 +47,6 @@ from splitserve.proxy.http.messages import Response, StreamResponse
 from splitserve.proxy.routing import Backend
 
 logger = logging.getLogger(__name__)
-
-_Opened = tuple[UpstreamResponse, bytes]
 
 
 class TakePlainFlow(Exception):
@@ -82,41 +80,43 @@ class FirstTokenFlow:
         )
         t0 = loop.time()
         gauge = calls.enter(d)
-        opening = loop.create_task(
-            calls.open_decode(d, call.path, d_body, call.stream, call.deadline)
-        )
         resp: UpstreamResponse | None = None
         try:
-            # Phase 1: P's answer; D connects meanwhile (and only fails early if it cannot).
-            answer = await self._prefill(call, p, d, p_body, opening)
+            # D's request first (no wait on a pooled connection), P's right after: D reads its
+            # answer in while this task waits for P's (and only fails P's wait if it breaks).
+            try:
+                resp = await calls.send_decode(d, call.path, d_body, call.deadline)
+            except (TimeoutError, OSError) as e:
+                raise calls.decode_error(e, d, "the decode server") from None
+            answer = await self._prefill(call, p, d, p_body, resp)
             p_done = loop.time()
             head = self._head(answer, call, p)
             if head.ends_request(call.body):
-                opening.cancel()  # D aborts its request; its connector releases P's blocks
+                resp.close()  # D aborts its request; its connector releases P's blocks
                 return await self._token_alone(call, head, answer)
             reason = stitch.plain_flow_reason(call.body, head.text)
             if reason is not None:
                 raise TakePlainFlow(reason)
             if not call.stream:
-                resp, raw = await self._opened(opening, d)
+                raw = await self._whole(resp, d)
                 return self._merged(call, head, resp, raw, d, p_done)
             # Phase 2 (streaming): the first token goes out now; the answer is committed.
             out = relay.new_stream()
             try:
                 # D's answer already in: P's token goes out with D's first bytes (one write).
                 events = head.head_events(call.body, last=False)
-                await relay.commit(calls, call, out, events, more_now=opening.done())
-                resp, first = await self._first_chunk(call, out, opening, d, p_done)
-                if resp is not None:
+                await relay.commit(calls, call, out, events, more_now=_first_in(resp))
+                first = await self._first_chunk(call, out, resp, d, p_done)
+                if first is not None:
                     rewriter = stitch.StreamRewriter(head)
                     await relay.send(out, rewriter.feed(first), resp)
-                    if await relay.pipe(calls, call, out, resp, d, t0, rewriter):
-                        resp = None
+                    await relay.pipe(calls, call, out, resp, d, t0, rewriter)
             except ConnectionError:  # a write to a client that went away
                 relay.client_went_away(call.outcome, d)
             return out
         finally:
-            await _settle(opening, resp)
+            if resp is not None:
+                resp.close()  # D's request ends unless its answer was read and released
             calls.leave(d, gauge)
 
     # ------------------------------------------------------------------ phase 1
@@ -127,17 +127,17 @@ class FirstTokenFlow:
         p: Backend,
         d: Backend,
         p_body: dict[str, Any],
-        opening: asyncio.Task[_Opened],
+        d_resp: UpstreamResponse,
     ) -> dict[str, Any]:
-        """P's answer, awaited in this task while D's request is opened in ``opening``; D's
-        failure before P answered interrupts the wait (a failed connect: ``RetryElsewhere``)."""
+        """P's answer, awaited in this task while D's answer comes into ``d_resp``; D's
+        failure before P answered interrupts the wait."""
         calls = self.calls
-        watch = PeerWatch(calls.loop, opening)
+        watch = PeerWatch(calls.loop, other=d_resp)
         try:
             return await calls.prefill(p, call.path, p_body, call.deadline, watch.attach)
         except PeerFailed:
-            exc = opening.exception()
-            assert exc is not None  # the watch only fires on a failed task
+            exc = d_resp.error
+            assert exc is not None  # the watch only fires on a failed answer
             raise calls.decode_error(exc, d, "the decode server") from None
         except ProxyError as e:
             raise calls.prefill_retry(e, p) from None
@@ -180,10 +180,10 @@ class FirstTokenFlow:
             await out.write_eof()  # one write: the head, the events and the end
         return out
 
-    async def _opened(self, opening: asyncio.Task[_Opened], d: Backend) -> _Opened:
+    async def _whole(self, resp: UpstreamResponse, d: Backend) -> bytes:
         """D's whole answer (not streamed), within the deadline its request already carries."""
         try:
-            return await opening
+            return await self.calls.decode_start(d, resp, stream=False)
         except (TimeoutError, OSError) as e:
             raise self.calls.decode_error(e, d, "the decode server") from None
 
@@ -217,46 +217,40 @@ class FirstTokenFlow:
         self,
         call: Call,
         out: StreamResponse,
-        opening: asyncio.Task[_Opened],
+        resp: UpstreamResponse,
         d: Backend,
         p_done: float,
-    ) -> tuple[UpstreamResponse | None, bytes]:
-        """D's response and first chunk after P's token was sent, within ``first_byte_s`` of P's
-        answer; on a failure the client's stream gets an SSE ``error`` event and ``None``."""
+    ) -> bytes | None:
+        """D's first chunk after P's token was sent, within ``first_byte_s`` of P's answer; on
+        a failure the client's stream gets an SSE ``error`` event and ``None``."""
         calls = self.calls
+        if not _first_in(resp):  # else the usual case on a fast D: no timer to arm
+            resp.until = min(call.deadline, p_done + calls.first_byte_s)
         try:
-            if not opening.done():  # else the usual case on a fast D: no timer to arm
-                until = min(call.deadline, p_done + calls.first_byte_s)
-                if not await wait_any(until, opening):
-                    raise TimeoutError
-            resp, first = opening.result()
+            first = await calls.decode_start(d, resp, stream=True)
         except (TimeoutError, OSError) as e:
             err = calls.map_error(e, d, "the decode server's first byte")
             call.outcome.error_kind = f"midstream_{err.kind}"
             await out.write(err.sse_event())
-            return None, b""
+            return None
         if resp.status != 200:
             call.outcome.error_kind = "midstream_upstream_status"
             await out.write(
                 UpstreamStatus(resp.status, first, pool=d.pool, server=d.url).sse_event()
             )
-            resp.close()
-            return None, b""
+            return None
         calls.metrics.handoff.observe(max(0.0, calls.loop.time() - p_done))
-        return resp, first
+        return first
 
 
-async def _settle(opening: asyncio.Task[_Opened], resp: UpstreamResponse | None) -> None:
-    """D's request at the end of an attempt: cancelled if still opening, closed unless it was
-    released (a response opened and never used is closed: D aborts the request)."""
-    if not opening.done():
-        opening.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        opened, _ = await opening
-        if resp is None:
-            opened.close()  # closing a released response does nothing
-    if resp is not None:
-        resp.close()
+def _first_in(resp: UpstreamResponse) -> bool:
+    """What ``decode_start`` reads of D's answer is in (the head and first bytes of a 200, the
+    whole of any other answer, or the failure): reading it waits not."""
+    if not resp.headers_done:
+        return resp.error is not None
+    if resp.status == 200:
+        return resp.ready
+    return resp.complete or resp.error is not None
 
 
 def _json_answer(data: dict[str, Any]) -> Response:

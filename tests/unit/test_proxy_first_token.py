@@ -29,10 +29,19 @@ class StubVllm:
     """``p_finish``: P's finish reason for its one token; ``p_text``: its text; ``d_hangs``: D
     never answers (a real D waits for the KV of a request whose first token ended it)."""
 
-    def __init__(self, p_finish: str = "length", d_hangs: bool = False, p_text: str = "A") -> None:
+    def __init__(
+        self,
+        p_finish: str = "length",
+        d_hangs: bool = False,
+        p_text: str = "A",
+        p_hangs: bool = False,
+        d_drops: bool = False,
+    ) -> None:
         self.p_finish = p_finish
         self.p_text = p_text
         self.d_hangs = d_hangs
+        self.p_hangs = p_hangs  # P never answers (its request is cancelled when it ends)
+        self.d_drops = d_drops  # D reads the request and drops the connection unanswered
         self.bodies: list[dict[str, Any]] = []
         self.cancelled = 0
         self.server: TestServer | None = None
@@ -62,8 +71,14 @@ class StubVllm:
         n = body.get("max_tokens", 5)
         try:
             if params.get("do_remote_decode"):
+                if self.p_hangs:
+                    await asyncio.sleep(3600)
                 return web.json_response(self._whole(chat, [self.p_text], self.p_finish, "p-id"))
             if params.get("first_token_from_prefill"):
+                if self.d_drops:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    await asyncio.sleep(3600)
                 if self.d_hangs:
                     await asyncio.sleep(3600)
                 pieces = TEXT[1:n]
@@ -123,9 +138,13 @@ def stub_settings() -> dict[str, Any]:
 async def stack(stub_settings):
     """(proxy url, P stub, D stub), with ``stub_settings`` for the stubs."""
     p = await StubVllm(
-        p_finish=stub_settings.get("p_finish", "length"), p_text=stub_settings.get("p_text", "A")
+        p_finish=stub_settings.get("p_finish", "length"),
+        p_text=stub_settings.get("p_text", "A"),
+        p_hangs=stub_settings.get("p_hangs", False),
     ).start()
-    d = await StubVllm(d_hangs=stub_settings.get("d_hangs", False)).start()
+    d = await StubVllm(
+        d_hangs=stub_settings.get("d_hangs", False), d_drops=stub_settings.get("d_drops", False)
+    ).start()
     config = build_config(
         {
             "host": "127.0.0.1",
@@ -455,3 +474,23 @@ async def test_a_stop_string_that_cannot_span_the_seam_keeps_the_first_token_flo
     assert status == 200 and answer["choices"][0]["text"] == "ABCD"
     (only,) = d.bodies
     assert only["kv_transfer_params"]["first_token_from_prefill"] is True
+
+
+@pytest.mark.parametrize("stub_settings", [{"p_hangs": True, "d_drops": True}])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_that_drops_the_request_ends_the_wait_for_prefill(stack, stream):
+    """D's request is written before P's and read by no task: D dropping it while P computes
+    must still end the wait at once (P would never answer here), with an error, and close P's
+    request (P aborts it)."""
+    url, p, d = stack
+    body = {**COMPLETION, "stream": stream}
+    status, answer = await asyncio.wait_for(post(url + "/v1/completions", body), 30)
+    assert status == 502, answer
+    assert "decode" in answer["error"]["message"]
+    (d_body,) = d.bodies
+    assert d_body["kv_transfer_params"]["first_token_from_prefill"] is True
+    for _ in range(300):  # P's request is closed by the proxy: bounded wait for its handler
+        if p.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert p.cancelled == 1

@@ -231,6 +231,9 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._conn: _Connection | None = None
         self._done = False  # released or closed
+        # Told when the answer fails (a broken connection, an interrupt): lets another request
+        # of the same client request stop waiting at once, without a task watching this one.
+        self.on_fail: Callable[[], None] | None = None
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive), or None."""
@@ -245,6 +248,11 @@ class UpstreamResponse:
         """True when ``readany`` answers without waiting (bytes, the end or an error are here):
         a caller can skip arming a timeout for it."""
         return bool(self._chunks) or self.complete or self._error is not None
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the answer failed, once it did."""
+        return self._error
 
     @property
     def at_end(self) -> bool:
@@ -318,6 +326,8 @@ class UpstreamResponse:
     def _fail(self, error: Exception) -> None:
         self._error = error
         self._wake()
+        if self.on_fail is not None:
+            self.on_fail()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -335,7 +345,8 @@ class UpstreamResponse:
             if timer is not None:
                 timer.cancel()
 
-    async def _headers(self) -> None:
+    async def wait_head(self) -> None:
+        """Until the status and headers are in (``TimeoutError`` after ``until``)."""
         while not self.headers_done:
             if self._error is not None:
                 raise self._error
@@ -361,6 +372,7 @@ class _Pool:
         self.netloc = parts.netloc
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[_Connection] = []
+        self.heads: dict[str, bytes] = {}  # path: the request head but its Content-Length
 
     def put(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
@@ -456,25 +468,40 @@ class UpstreamClient:
         to ``interrupt`` it. The caller reads the body and then calls ``release()`` (or
         ``close()``). The request is written once: a failure after that is raised
         (``UpstreamDisconnected``), never sent again."""
-        pool = self._pool(origin)
-        request = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n%s\r\n"
-            % (path.encode(), pool.netloc.encode(), len(body), self._extra)
-        ) + body
-        conn = pool.take()
-        if conn is None:
-            conn = await pool.connect(until)
+        conn = await self.connection(origin, until)
         response = UpstreamResponse(self._loop, until)
         if on_response is not None:
             on_response(response)
         try:
-            conn.send(request, response)
-            await response._headers()
+            self.send(conn, path, body, response)
+            await response.wait_head()
         except BaseException:
             response.close()
             raise
         return response
+
+    async def connection(self, origin: str, until: float | None = None) -> _Connection:
+        """A connection to ``origin`` to write one request on at once (``send``): an idle one
+        fit for reuse (no wait), else a new one (``UpstreamConnectError``; ``TimeoutError`` at
+        loop time ``until``)."""
+        pool = self._pool(origin)
+        conn = pool.take()
+        if conn is None:
+            conn = await pool.connect(until)
+        return conn
+
+    def send(self, conn: _Connection, path: str, body: bytes, response: UpstreamResponse) -> None:
+        """Write a POST of ``body`` (JSON) to ``path`` on ``conn`` (from ``connection``, with no
+        await between); its answer comes into ``response`` (``wait_head``, then the body). The
+        caller releases or closes the response, which gives the connection back or closes it."""
+        pool = conn.pool
+        head = pool.heads.get(path)
+        if head is None:
+            head = pool.heads[path] = (
+                b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s"
+                % (path.encode(), pool.netloc.encode(), self._extra)
+            )
+        conn.send(b"%bContent-Length: %d\r\n\r\n%b" % (head, len(body), body), response)
 
     def close(self) -> None:
         """Close every idle connection (responses still held are closed by their holders)."""
