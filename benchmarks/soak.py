@@ -247,6 +247,7 @@ def client(i: int, url: str, args: argparse.Namespace, until: float, records: li
         record = Record(t0, time.monotonic(), len(prompt.split()), body["stream"], "ok")
         if not ok:
             record.outcome, record.error = "error", result
+            time.sleep(args.error_pause_s)  # as a client would before trying again
         elif rng.random() < args.check:
             record.check = {"body": {**body, "stream": False}, "answer": result}
         records.append(record)
@@ -298,13 +299,16 @@ def kill(deployed: Deployed, name: str) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def wait_ready(deployed: Deployed, bound: float) -> bool:
+def wait_back(deployed: Deployed, name: str, bound: float) -> bool:
+    """The killed server answers its /health again (the restarted process), then the proxy's
+    /ready is 200 (it readmitted it)."""
     end = time.monotonic() + bound
-    while time.monotonic() < end:
-        if http_ok(deployed.proxy_url + "/ready"):
-            return True
-        time.sleep(1)
-    return False
+    for url in (deployed.engines[name] + "/health", deployed.proxy_url + "/ready"):
+        while not http_ok(url):
+            if time.monotonic() > end:
+                return False
+            time.sleep(1)
+    return True
 
 
 def chaos(
@@ -321,7 +325,7 @@ def chaos(
         window = [time.monotonic() - t0, math.inf]
         windows.append(window)
         kill(deployed, name)
-        ready = wait_ready(deployed, 900)
+        ready = wait_back(deployed, name, 900)
         window[1] = time.monotonic() - t0 + 5.0  # readmission and retries settle
         logger.warning("%s back %s at %.0f s", name, "" if ready else "NOT", window[1])
         if stop_at.wait(5.0):
@@ -556,6 +560,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-s", type=float, default=30.0, help="per process, before growth")
     ap.add_argument("--idle-s", type=float, default=60.0, help="bound on KV back to 0 at idle")
     ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--error-pause-s", type=float, default=1.0, help="a client's pause after an error"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--out", default=None, help="JSON report")

@@ -61,6 +61,7 @@ MAX_TOKENS = 8
 # Client disconnects per flow in the suite (the issue's 20 rounds: SPLITSERVE_FAULT_ROUNDS=20).
 ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "6"))
 KEYS = ("fm-p1", "fm-p2", "fm-d")
+PREFILL_LEAD_S = 0.3  # into P's prefill (several seconds long) before the fault
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -315,27 +316,13 @@ def kv_free(fleet: Fleet, keys: tuple[str, ...] = KEYS, bound: float = LEASE_S +
         )
 
 
-def running_on(fleet: Fleet, keys: tuple[str, ...]) -> str | None:
-    """The first of ``keys`` whose engine reports a request running."""
-    for key in keys:
-        with contextlib.suppress(OSError):
-            if metric(fleet.url(key), "vllm:num_requests_running") > 0:
-                return key
-    return None
-
-
-def wait_running(fleet: Fleet, keys: tuple[str, ...]) -> str:
-    """Wait until one of ``keys`` runs a request; its key."""
-    found: list[str] = []
-
-    def seen() -> bool:
-        key = running_on(fleet, keys)
-        if key is not None:
-            found.append(key)
-        return bool(found)
-
-    wait_for(seen, f"a request running on one of {keys}")
-    return found[0]
+def in_prefill(proxy_: BackgroundProxy, *backends: Any) -> None:
+    """Wait until the proxy has a prefill request in flight on each of ``backends`` (sent, not
+    answered: P computes it), then a little longer, so that a fault lands mid-prefill; fails if
+    one answered meanwhile (the fault would not be the case under test)."""
+    wait_for(lambda: all(b.outstanding > 0 for b in backends), "P computing the request")
+    time.sleep(PREFILL_LEAD_S)
+    assert all(b.outstanding > 0 for b in backends), "P answered before the fault: prompt too short"
 
 
 def backend_of(pool: Any, url: str) -> Any:
@@ -353,6 +340,26 @@ def check_next(fleet: Fleet, proxy_url: str, seed: int, stream: bool = False) ->
 # -- the matrix ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("first_token", [True, False], ids=["first-token", "concurrent"])
+def test_clients_leave_at_random_points_of_a_long_prompt(fleet, first_token):
+    """``ROUNDS`` streamed 3,600-token requests whose clients go away at a seeded random point
+    in 0-3 s (mid-prefill on P, mid-transfer, or mid-stream on D): nothing is left held (KV back
+    to 0 on every server within the lease) and the next request is correct."""
+    fleet.wait()
+    rng = random.Random(60 + first_token)
+    with proxy(fleet, ["fm-p1", "fm-p2"], first_token_from_prefill=first_token) as running:
+        for i in range(ROUNDS):
+            prompt = text_prompt(LONG_WORDS, 1000 * (1 + first_token) + i)
+            send_and_leave(running.url, body_for(prompt, stream=True), rng.uniform(0, 3))
+        kv_free(fleet)
+        for i in range(2):
+            check_next(fleet, running.url, 70 + 2 * first_token + i, stream=bool(i))
+        text = fetch_metrics(running.url)
+        left = metric_sum(text, "splitserve_proxy_requests_total", status="499")
+        assert left >= 1, "no request counted as left by its client"
+    kv_free(fleet)
+
+
 def test_p_killed_mid_prefill_is_retried_on_the_other_pair(fleet):
     """Two P; the one computing a 3,600-token prompt is SIGKILLed mid-prefill (nothing reached
     the client yet): the proxy retries on the other pair and the streamed answer is the
@@ -363,7 +370,8 @@ def test_p_killed_mid_prefill_is_retried_on_the_other_pair(fleet):
     ref = colocated(fleet, prompt)
     with proxy(fleet, ["fm-p1", "fm-p2"]) as running, ThreadPoolExecutor(1) as pool:
         future = pool.submit(send, running.url, body_for(prompt, stream=True))
-        victim = wait_running(fleet, ("fm-p1", "fm-p2"))
+        victim = "fm-p1"  # round robin: the first request goes to the first P
+        in_prefill(running, backend_of(running.state.prefill, fleet.url(victim)))
         fleet.kill(victim)
         answer = future.result(timeout=REQUEST_S + 30)
         assert answer.text == ref, answer
@@ -389,7 +397,7 @@ def test_single_p_killed_then_restarted_on_its_ports_under_a_live_d(fleet):
     refs = [colocated(fleet, text_prompt(200, 31 + i)) for i in range(4)]
     with proxy(fleet, ["fm-p1"]) as running, ThreadPoolExecutor(1) as pool:
         future = pool.submit(send, running.url, body_for(prompt))
-        wait_running(fleet, ("fm-p1",))
+        in_prefill(running, running.state.prefill.backends[0])
         fleet.kill("fm-p1")
         answer = future.result(timeout=REQUEST_S + 30)
         assert answer.text is None and answer.clean and answer.status >= 500, answer
@@ -423,8 +431,8 @@ def test_d_killed_mid_transfer_push_and_pull(fleet):
             pool.submit(send, pull.url, body_for(prompts[0], stream=True)),
             pool.submit(send, push.url, body_for(prompts[1])),
         ]
-        wait_running(fleet, ("fm-p1",))
-        wait_running(fleet, ("fm-p2",))
+        in_prefill(pull, pull.state.prefill.backends[0])
+        in_prefill(push, push.state.prefill.backends[0])
         fleet.kill("fm-d")
         for future in futures:
             answer = future.result(timeout=REQUEST_S + 30)
@@ -440,26 +448,6 @@ def test_d_killed_mid_transfer_push_and_pull(fleet):
     kv_free(fleet)
 
 
-@pytest.mark.parametrize("first_token", [True, False], ids=["first-token", "concurrent"])
-def test_clients_leave_at_random_points_of_a_long_prompt(fleet, first_token):
-    """``ROUNDS`` streamed 3,600-token requests whose clients go away at a seeded random point
-    in 0-3 s (mid-prefill on P, mid-transfer, or mid-stream on D): nothing is left held (KV back
-    to 0 on every server within the lease) and the next request is correct."""
-    fleet.wait()
-    rng = random.Random(60 + first_token)
-    with proxy(fleet, ["fm-p1", "fm-p2"], first_token_from_prefill=first_token) as running:
-        for i in range(ROUNDS):
-            prompt = text_prompt(LONG_WORDS, 1000 * (1 + first_token) + i)
-            send_and_leave(running.url, body_for(prompt, stream=True), rng.uniform(0, 3))
-        kv_free(fleet)
-        for i in range(2):
-            check_next(fleet, running.url, 70 + 2 * first_token + i, stream=bool(i))
-        text = fetch_metrics(running.url)
-        left = metric_sum(text, "splitserve_proxy_requests_total", status="499")
-        assert left >= 1, "no request counted as left by its client"
-    kv_free(fleet)
-
-
 @pytest.mark.parametrize("victim", ["fm-p1", "fm-d"])
 def test_server_frozen_past_the_lease_then_resumed(fleet, victim):
     """P or D frozen (SIGSTOP of its whole tree) mid-request for longer than the lease, then
@@ -471,7 +459,7 @@ def test_server_frozen_past_the_lease_then_resumed(fleet, victim):
     timeouts = {"first_byte_s": 25.0, "stream_idle_s": 15.0, "total_s": REQUEST_S}
     with proxy(fleet, ["fm-p1"], timeouts=timeouts) as running, ThreadPoolExecutor(1) as pool:
         future = pool.submit(send, running.url, body_for(prompt, stream=True))
-        wait_running(fleet, ("fm-p1",))
+        in_prefill(running, running.state.prefill.backends[0])
         fleet.signal(victim, signal.SIGSTOP)
         frozen_at = time.monotonic()
         try:

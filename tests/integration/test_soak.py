@@ -1,13 +1,13 @@
 """The chaos soak (``benchmarks/soak.py``), short: ``splitserve up`` (1 P + 1 D) under 16
-clients of mixed prompts (streamed and not, 10% leaving mid-request), P then D SIGKILLed and
-restarted by the supervisor; the issue's targets must hold: errors < 1% outside the kill
-windows, KV usage back to 0 at idle, proxy RSS growth < 50 MB, engine RSS growth < 200 MB,
-every checked answer equal to the colocated one.
+clients of mixed prompts (streamed and not, 10% leaving mid-request), P SIGKILLed and restarted
+by the supervisor; the issue's targets must hold: errors < 1% outside the kill window, KV usage
+back to 0 at idle, proxy RSS growth < 50 MB, engine RSS growth < 200 MB, every checked answer
+equal to the colocated one.
 
-Short for the suite (``SOAK_MINUTES`` of load; the 10-minute run is in docs/benchmarks.md): a
-longer prompt range than a 2-core machine serves at 16 clients in that time would only queue, so
-prompts here reach ~1,000 tokens and a quarter of the answers are checked (so that a short run
-checks some).
+Short for the suite (``SPLITSERVE_SOAK_MINUTES`` of load, 1.5 by default; the 10-minute run,
+which also kills D, is in docs/benchmarks.md): a restart under this load takes a minute or
+more on 2 cores, so one kill fits; D's kill is covered here by test_fault_matrix.py. Prompts
+reach ~1,000 tokens and a quarter of the answers are checked, so that a short run checks some.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_short_soak_meets_the_targets(tmp_path) -> None:
             "--minutes", SOAK_MINUTES,
             "--max-words", "450",
             "--check", "0.25",
-            "--kill-at", "0.2,0.5",
+            "--kill-at", "0.15",
             "--warmup-s", "20",
             "--run-dir", str(tmp_path),
             "--out", str(tmp_path / "soak.json"),
@@ -47,6 +47,6 @@ def test_short_soak_meets_the_targets(tmp_path) -> None:
     summary = soak.run(args)
     met = summary["targets_met"]
     assert all(met.values()), {"targets": met, **summary}
-    assert len(summary["kill_windows_s"]) == 2, summary  # P, then D, were killed
+    assert len(summary["kill_windows_s"]) == 1, summary  # P was killed and came back
     assert summary["errors_outside_windows"] <= summary["requests_outside_windows"] // 100
     assert summary["up_exit_code"] == 0, summary
