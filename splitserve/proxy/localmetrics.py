@@ -85,30 +85,31 @@ class _Value:
         self.value = float(value)
 
 
-class LocalCounter(_Family):
+class _ValueFamily(_Family):
+    """A family whose children are one number each, exported as ``metric_family``."""
+
+    metric_family: Any = None
+
+    def _new_child(self) -> _Value:
+        return _Value()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.metric_family(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._items():
+            family.add_metric(values, child.value)
+        yield family
+
+
+class LocalCounter(_ValueFamily):
     """A counter family (``name`` without ``_total``, as ``prometheus_client.Counter``)."""
 
-    def _new_child(self) -> _Value:
-        return _Value()
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self._items():
-            family.add_metric(values, child.value)
-        yield family
+    metric_family = CounterMetricFamily
 
 
-class LocalGauge(_Family):
+class LocalGauge(_ValueFamily):
     """A gauge family."""
 
-    def _new_child(self) -> _Value:
-        return _Value()
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self._items():
-            family.add_metric(values, child.value)
-        yield family
+    metric_family = GaugeMetricFamily
 
 
 class _Buckets:
