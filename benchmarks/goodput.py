@@ -348,7 +348,8 @@ async def _warm(url: str) -> None:
     async with aiohttp.ClientSession() as session:
         for n in (64, 2000):
             r = Result("warm", time.perf_counter())
-            await _one(session, url, Arrival(0, "chat", tuple(range(10, 10 + n)), 4), r)
+            prompt = tuple(10 + i % 900 for i in range(n))  # ids within the vocabulary
+            await _one(session, url, Arrival(0, "chat", prompt, 4), r)
             if r.error:
                 raise RuntimeError(f"warm-up failed: {r.error}")
 

@@ -86,3 +86,90 @@ def test_quick_dry_run_prints_the_plan() -> None:
     assert done.returncode == 0, done.stderr
     assert "SLO (fixed before the run)" in done.stdout
     assert done.stdout.count("order:") == 2 and "(e) 1 P + 1 D" in done.stdout
+
+
+class StandInEngine:
+    """A fake engine (aiohttp): streams ``max_tokens`` tokens at once; for the script's run
+    path only (the measurement itself needs real servers)."""
+
+    def __init__(self) -> None:
+        self.prompts: list[int] = []
+
+    def app(self):
+        from aiohttp import web
+
+        async def health(request):
+            return web.Response()
+
+        async def metrics(request):
+            return web.Response(text="")
+
+        async def complete(request):
+            body = await request.json()
+            self.prompts.append(len(body["prompt"]))
+            if not body.get("stream"):  # a prefill request: one token, as P answers
+                choice = {"index": 0, "text": "a", "finish_reason": "length"}
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}
+                return web.json_response({"id": "x", "choices": [choice], "usage": usage})
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for _ in range(body["max_tokens"]):
+                await out.write(b'data: {"choices": [{"text": "a", "index": 0}]}\n\n')
+            await out.write(b"data: [DONE]\n\n")
+            return out
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/v1/completions", complete)
+        return app
+
+
+def test_run_path_against_stand_in_engines(goodput, tmp_path, monkeypatch) -> None:
+    """Every contender's proxy, the driver and the report, with fake engines for servers."""
+    import asyncio
+    import threading
+
+    from aiohttp.test_utils import TestServer
+
+    from splitserve.models import _build_tokenizer, resolve_spec
+
+    _build_tokenizer(resolve_spec("tiny"), tmp_path)
+    engines = [StandInEngine(), StandInEngine()]
+    loop = asyncio.new_event_loop()
+    servers = [TestServer(e.app(), host="127.0.0.1") for e in engines]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    for s in servers:
+        asyncio.run_coroutine_threadsafe(s.start_server(), loop).result(30)
+    urls = [f"http://127.0.0.1:{s.port}" for s in servers]
+
+    class NoServers:
+        def stop(self) -> None:
+            pass
+
+    def start_group(group, model, log_dir):
+        roles = ("p", "d") if group == "pd" else ("s0", "s1")
+        got = dict(zip(roles, urls, strict=True))
+        got |= {f"{r}-scheduler": u for r, u in zip(roles, urls, strict=True)}
+        return NoServers(), got, 5
+
+    monkeypatch.setattr(goodput, "build_model", lambda spec, out: tmp_path)
+    monkeypatch.setattr(goodput, "_start_group", start_group)
+    args = goodput.parse_args(
+        ["--rates", "2,4", "--duration", "2", "--only", "colocated,pd-decide"]
+    )
+    report = goodput.run(args)
+    try:
+        rows = report["rows"]
+        assert {(r["contender"], r["rate"]) for r in rows} == {
+            (c, r) for c in ("colocated", "pd-decide") for r in (2.0, 4.0)
+        }
+        assert all(r["errors"] == 0 and r["requests"] > 0 for r in rows)
+        # the decision sent every request straight to the "decode" stand-in (no P behind it)
+        decided = [r["decisions"] for r in rows if r["contender"] == "pd-decide"]
+        assert all(sum(d.values()) > 0 for d in decided)
+        assert "capacity under SLO" in goodput.markdown(report)
+    finally:
+        for s in servers:
+            asyncio.run_coroutine_threadsafe(s.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
