@@ -328,7 +328,7 @@ class UpstreamCalls:
         as the upstream client's), without waiting for its answer: the caller goes on (P's
         request) and later reads it (``decode_start``) or closes it."""
         conn = await self.client.connection(d.url, until)
-        resp = UpstreamResponse(self.loop, until)
+        resp = self.client.response(until)
         self.client.send(conn, path, jsonio.dumps(payload), resp)
         return resp
 

@@ -463,3 +463,36 @@ async def test_https_server_with_an_untrusted_certificate_is_a_connect_error(
                 await c.post(s.origin.replace("http://", "https://"), "/x", b"{}")
     finally:
         c.close()
+
+
+async def test_a_wait_past_its_deadline_times_out_and_the_connection_is_closed(client) -> None:
+    """The client's sweeping timer ends a wait whose ``until`` passed: before the head (post)
+    and between body bytes (a deadline moved by the caller, as a stream's idle timeout)."""
+    server_done = asyncio.Event()
+
+    async def head_then_stall(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        if s.connections == 2:  # the second request: a head and a first piece, then nothing
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+            await w.drain()
+        await server_done.wait()
+
+    async def bounded(aw: Awaitable[object]) -> object:
+        task = asyncio.ensure_future(aw)
+        done, _ = await asyncio.wait({task}, timeout=30)
+        assert done, "the deadline never ended the wait"
+        return task.result()
+
+    async with scripted(head_then_stall) as s:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError):
+            await bounded(client.post(s.origin, "/x", b"{}", loop.time() + 0.2))
+        resp = await client.post(s.origin, "/x", b"{}", loop.time() + 30)
+        assert await resp.readany() == b"a"
+        resp.until = loop.time() + 0.2
+        with pytest.raises(TimeoutError):
+            await bounded(resp.readany())
+        resp.close()
+        assert not client._sweeper.waits, "no wait left registered"
+        server_done.set()
+    assert s.connections == 2, "the timed-out connection was not reused"
