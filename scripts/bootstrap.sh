@@ -52,6 +52,18 @@ if ! command -v dnsmasq >/dev/null 2>&1 && [ ! -x /usr/sbin/dnsmasq ]; then
         || fail "apt-get install dnsmasq-base failed" "read apt's error above; rerun 'make env'"
 fi
 
+# iproute2 (`ip`, `tc`): the multi-host test bed (splitserve/launch/testbed.py) makes network
+# namespaces, veth links and qdiscs with them. Same rule as dnsmasq: checked always, installed once.
+if ! command -v tc >/dev/null 2>&1 && [ ! -x /usr/sbin/tc ]; then
+    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "iproute2 is missing" \
+        "as root: apt-get install iproute2 (the test bed, tests/integration/test_testbed.py)"
+    echo "bootstrap: installing iproute2 (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q iproute2 >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null; } \
+        || fail "apt-get install iproute2 failed" "read apt's error above; rerun 'make env'"
+fi
+
 install_spec() {
     "$PY" - <<'PYEOF'
 import json, tomllib

@@ -20,6 +20,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "plan": "splitserve.planner.cli:plan",
     "simulate": "splitserve.planner.sim.cli:simulate",
     "proxy": "splitserve.proxy.cli:proxy",
+    "testbed": "splitserve.launch.testbed_cli:testbed",
 }
 
 

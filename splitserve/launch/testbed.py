@@ -1,0 +1,333 @@
+"""Emulated hosts on one machine: Linux network namespaces joined through a bridge.
+
+Why: P, D and the proxy run on different machines in production, where UCX must use a network
+transport and links have a rate, a delay and faults. The test bed gives each "host" its own
+network namespace (own interfaces, own address, own routing table, own loopback), so servers
+started inside it reach each other only over the emulated network.
+
+Layout (all names start with ``ss-tb-``, so stale ones are ours to remove):
+
+- one namespace per host, ``ss-tb-<owner>-<host>``, with ``lo`` and ``eth0``, an address
+  ``10.213.0.<n>/24`` and no default route (nothing leaves the test bed);
+- one switch namespace, ``ss-tb-<owner>-sw``, holding the bridge ``br0`` and the switch side
+  of each host's veth pair (``p<n>``); it has no address at all;
+- the machine's own namespace gets nothing: no address, route, bridge or interface (every link
+  is created inside the namespaces with ``ip -n``).
+
+``<owner>`` is the pid of the creating process (or a name given by the caller, e.g. ``cli``).
+At start, namespaces of owners whose pid is gone are removed (a crashed run leaves no trace
+beyond its next start); a named owner's are removed only by ``down`` with that name.
+
+Link shaping (``LinkShape``) is applied on both directions of a host's link: on ``eth0`` in
+the host (what it sends) and on ``p<n>`` in the switch (what it receives). A rate alone uses
+``tbf``; delay, jitter or loss need ``netem`` (``sch_netem``), which some kernels lack:
+asking for them there raises ``TestbedError`` saying so. A silent cut (``cut``) sets the
+switch side of the host's veth down: frames from and to the host are dropped in the kernel,
+no FIN and no RST reach either end, and ``heal`` brings it back.
+
+Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``); ``check``
+raises ``TestbedError`` with the reason when namespaces cannot be created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.launch.process import ManagedProcess
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "ss-tb-"
+SUBNET = "10.213.0"  # /24; host n gets SUBNET.(n + 1); exists only inside the namespaces
+PREFIX_LEN = 24
+_OWNER_RE = re.compile(r"^[a-z0-9]{1,16}$")
+_HOST_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+
+
+class TestbedError(RuntimeError):
+    """The test bed cannot be built or changed here; the message says why and what to do."""
+
+    __test__ = False  # not a pytest test class
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """How one host's link behaves, per direction. ``None`` / 0: not limited."""
+
+    rate_mbit: float | None = None
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    def needs_netem(self) -> bool:
+        return bool(self.delay_ms or self.jitter_ms or self.loss_pct)
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise TestbedError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.stdout}")
+    return proc
+
+
+def namespaces() -> list[str]:
+    """Network namespace names that exist now (``ip netns list``)."""
+    out = _run(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces of test beds whose owning process is gone; returns their names."""
+    removed = []
+    for ns in namespaces():
+        if not ns.startswith(PREFIX):
+            continue
+        owner = ns[len(PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            _run(["ip", "netns", "delete", ns], check=False)
+            removed.append(ns)
+    if removed:
+        logger.info("test bed: removed stale namespaces %s", ", ".join(removed))
+    return removed
+
+
+def check() -> None:
+    """Raise ``TestbedError`` saying why network namespaces cannot be made here."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            raise TestbedError(
+                f"`{tool}` is missing: install iproute2 (scripts/bootstrap.sh does, as root)"
+            )
+    if os.geteuid() != 0:
+        raise TestbedError("the test bed needs root (network namespaces, veth, tc); run as root")
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    proc = _run(["ip", "netns", "add", probe], check=False)
+    if proc.returncode != 0:
+        raise TestbedError(f"cannot create a network namespace: {proc.stderr.strip()}")
+    _run(["ip", "netns", "delete", probe], check=False)
+
+
+def netem_available() -> bool:
+    """Whether the kernel has ``sch_netem`` (delay, jitter, loss); probed on a dummy link."""
+    probe = f"{PREFIX}{os.getpid()}-netem"
+    _run(["ip", "netns", "add", probe])
+    try:
+        _run(["ip", "-n", probe, "link", "set", "lo", "up"])
+        proc = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
+                     "netem", "delay", "1ms"], check=False)  # fmt: skip
+        return proc.returncode == 0
+    finally:
+        _run(["ip", "netns", "delete", probe], check=False)
+
+
+@dataclass
+class Host:
+    """One emulated host: a network namespace with one address on the test bed."""
+
+    name: str
+    netns: str
+    address: str
+    index: int
+    switch_port: str  # the switch side of its veth pair (in the switch namespace)
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host (``ip netns exec`` execs it: same pid, same group)."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+    def run(
+        self, argv: Sequence[str], check: bool = True, timeout: float = 30
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a short command inside the host and wait for it."""
+        return subprocess.run(
+            self.argv(argv), capture_output=True, text=True, timeout=timeout, check=check
+        )
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start a command inside the host (``subprocess.Popen`` keyword arguments apply)."""
+        return subprocess.Popen(self.argv(argv), **kwargs)
+
+    def process(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> ManagedProcess:
+        """A ``ManagedProcess`` (not started) that runs ``argv`` inside the host."""
+        return ManagedProcess(name, self.argv(argv), log_path, env=env, cwd=cwd)
+
+
+class Testbed:
+    """Hosts joined through one bridge (see module docstring). A context manager."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, hosts: Sequence[str], owner: str | None = None) -> None:
+        if not hosts:
+            raise ValueError("a test bed needs at least one host")
+        if len(hosts) > 250:
+            raise ValueError("at most 250 hosts (one /24)")
+        for host in hosts:
+            if not _HOST_RE.match(host):
+                raise ValueError(f"host name {host!r}: lowercase letters and digits, ≤ 16")
+        if len(set(hosts)) != len(hosts):
+            raise ValueError("host names must be unique")
+        self.owner = owner if owner is not None else str(os.getpid())
+        if not _OWNER_RE.match(self.owner):
+            raise ValueError(f"owner {self.owner!r}: lowercase letters and digits, ≤ 16")
+        self.switch = f"{PREFIX}{self.owner}-sw"
+        self.hosts: dict[str, Host] = {
+            name: Host(
+                name=name,
+                netns=f"{PREFIX}{self.owner}-{name}",
+                address=f"{SUBNET}.{i + 1}",
+                index=i,
+                switch_port=f"p{i}",
+            )
+            for i, name in enumerate(hosts)
+        }
+        self._netem: bool | None = None
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def own_namespaces(self) -> list[str]:
+        mine = {self.switch, *(h.netns for h in self.hosts.values())}
+        return [ns for ns in namespaces() if ns in mine]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def up(self) -> Testbed:
+        """Build the test bed (stale ones first removed); on failure nothing is left behind."""
+        check()
+        remove_stale()
+        self.down()  # a named owner's leftovers
+        try:
+            _run(["ip", "netns", "add", self.switch])
+            _run(["ip", "-n", self.switch, "link", "set", "lo", "up"])
+            _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+            _run(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+            for host in self.hosts.values():
+                ns = host.netns
+                _run(["ip", "netns", "add", ns])
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                _run(["ip", "-n", self.switch, "link", "add", host.switch_port, "type", "veth",
+                      "peer", "name", "eth0", "netns", ns])  # fmt: skip
+                _run(["ip", "-n", self.switch, "link", "set", host.switch_port, "master", "br0"])
+                _run(["ip", "-n", self.switch, "link", "set", host.switch_port, "up"])
+                _run(["ip", "-n", ns, "addr", "add", f"{host.address}/{PREFIX_LEN}",
+                      "dev", "eth0"])  # fmt: skip
+                _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        except BaseException:
+            self.down()
+            raise
+        logger.info(
+            "test bed up: %s",
+            ", ".join(f"{h.name}={h.address} ({h.netns})" for h in self.hosts.values()),
+        )
+        return self
+
+    def down(self) -> None:
+        """Delete every namespace of this test bed (its links go with them). Idempotent."""
+        for ns in self.own_namespaces():
+            # Processes still inside keep a namespace alive only through their own handle;
+            # the name goes now and the links with the last user.
+            _run(["ip", "netns", "delete", ns], check=False)
+
+    def __enter__(self) -> Testbed:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- links --------------------------------------------------------------------------------
+
+    def shape(self, host: str, shape: LinkShape | None) -> None:
+        """Shape both directions of ``host``'s link (``None``: unshaped again)."""
+        h = self.hosts[host]
+        for ns, dev in ((h.netns, "eth0"), (self.switch, h.switch_port)):
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                 check=False)  # fmt: skip
+            if shape is None or (shape.rate_mbit is None and not shape.needs_netem()):
+                continue
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                  *self._qdisc(shape)])  # fmt: skip
+
+    def _qdisc(self, shape: LinkShape) -> list[str]:
+        if shape.needs_netem():
+            if self._netem is None:
+                self._netem = netem_available()
+            if not self._netem:
+                raise TestbedError(
+                    "delay, jitter and loss need the kernel's sch_netem (CONFIG_NET_SCH_NETEM), "
+                    "which this kernel lacks; only a rate (tbf) can be shaped here"
+                )
+            args = ["netem", "limit", "100000"]
+            if shape.delay_ms or shape.jitter_ms:
+                args += ["delay", f"{shape.delay_ms}ms"]
+                if shape.jitter_ms:
+                    args += [f"{shape.jitter_ms}ms", "distribution", "normal"]
+            if shape.loss_pct:
+                args += ["loss", f"{shape.loss_pct}%"]
+            if shape.rate_mbit is not None:
+                args += ["rate", f"{shape.rate_mbit}mbit"]
+            return args
+        rate_bytes = shape.rate_mbit * 1e6 / 8  # type: ignore[operator]
+        # Burst: 10 ms worth, at least 64 KiB (a GSO super-packet must fit or tbf drops it).
+        burst = max(65536, int(rate_bytes / 100))
+        # Queue: 200 ms worth, at least 4 bursts (tbf drops what does not fit; TCP backs off).
+        limit = max(4 * burst, int(rate_bytes / 5))
+        return ["tbf", "rate", f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
+
+    def cut(self, host: str) -> None:
+        """Cut ``host``'s link silently: frames are dropped both ways, nothing is signalled."""
+        h = self.hosts[host]
+        _run(["ip", "-n", self.switch, "link", "set", h.switch_port, "down"])
+
+    def heal(self, host: str) -> None:
+        """Undo ``cut``."""
+        h = self.hosts[host]
+        _run(["ip", "-n", self.switch, "link", "set", h.switch_port, "up"])
+
+    def status(self) -> list[str]:
+        """One line per host: namespace, address, link state, qdisc."""
+        lines = []
+        for h in self.hosts.values():
+            if h.netns not in namespaces():
+                lines.append(f"{h.name}: absent")
+                continue
+            state = _run(["ip", "-n", self.switch, "-br", "link", "show", h.switch_port],
+                         check=False).stdout.split()  # fmt: skip
+            qdisc = _run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "show", "dev", "eth0"],
+                         check=False).stdout.strip()  # fmt: skip
+            link = state[1] if len(state) > 1 else "?"
+            first = qdisc.splitlines()[0] if qdisc else "-"
+            lines.append(f"{h.name}: {h.address} netns={h.netns} link={link} qdisc={first}")
+        return lines
+
+
+@contextlib.contextmanager
+def open_testbed(hosts: Sequence[str], owner: str | None = None):
+    """``with open_testbed(["p", "d"]) as tb: tb["p"].popen([...])``; torn down on exit."""
+    bed = Testbed(hosts, owner=owner)
+    with bed:
+        yield bed
