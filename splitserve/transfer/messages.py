@@ -86,6 +86,12 @@ class Hello(_Message):
         description="the sender's address as the receiver dialled it (host:port); the "
         "sender names it when it asks the agent to confirm a second connection (``Confirm``)",
     )
+    host: str | None = Field(
+        None,
+        max_length=200,
+        description="the receiver's host identity (``strategy.host_identity``: boot id and "
+        "network namespace); a sender on another host reaches it over tcp or RDMA, never cma",
+    )
 
 
 class HelloAck(_Message):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 
-from splitserve.transfer import messages
+from splitserve.transfer import messages, strategy
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.incoming import Incoming, Outcome, ReceiverStats
 from splitserve.transfer.recv_pull import PullReceiving
@@ -105,6 +105,7 @@ class KVReceiver:
                 agent_metadata=self.agent.metadata(),
                 layout=self.agent.layout.model_dump(),
                 target=f"{host}:{int(port)}",
+                host=strategy.host_identity(),
             )
             self.channel.send(peer, hello)
         return peer

@@ -59,7 +59,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from splitserve.transfer import messages
+from splitserve.transfer import messages, strategy
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.outgoing import (
@@ -112,6 +112,7 @@ class KVSender:
         self.lease_s = lease_s
         self.clock = clock
         self.stats = SenderStats()
+        self._warned_hosts: set[str] = set()  # receivers told about (cross-host pull)
         self.strategy: SendStrategy
         if direction is Direction.PULL:
             self.strategy = PullSending(agent, channel, self.stats, lease_s=lease_s, clock=clock)
@@ -428,8 +429,25 @@ class KVSender:
         for peer, message in held:
             self._dispatch(peer, message)
 
+    def _check_peer_transport(self, hello: messages.Hello) -> None:
+        """A pull chosen for ``cma`` (same host) is wrong for a receiver on another host: say so
+        once per receiver (the direction is per process; ``strategy.transport_to``)."""
+        transport = strategy.transport_to(hello.host)
+        cross_host_pull = self.direction is Direction.PULL and transport != "cma"
+        if cross_host_pull and hello.agent_name not in self._warned_hosts:
+            if len(self._warned_hosts) < 4096:  # bounded: a peer may send many names
+                self._warned_hosts.add(hello.agent_name)
+            logger.warning(
+                "receiver %s is on another host (reached over %s) but this sender pulls, "
+                "the direction for same-host cma; set direction=push for cross-host "
+                "deployments (docs/deployment.md)",
+                hello.agent_name,
+                transport,
+            )
+
     def _dispatch(self, peer: PeerRef, message: messages.Message) -> None:
         if isinstance(message, messages.Hello):
+            self._check_peer_transport(message)
             self.peers.on_hello(peer, message)
         elif isinstance(message, messages.Confirmed):
             self._dispatch_all(self.peers.on_confirmed(peer, message))

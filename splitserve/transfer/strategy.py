@@ -1,6 +1,8 @@
 """Who copies the bytes of a layer: the sender (push, WRITE) or the receiver (pull, READ).
 
-Engine-agnostic; consulted once per process at start-up. DESIGN.md measured it on host memory:
+Engine-agnostic; consulted once per process at start-up (``transport_of``), and per peer
+with the host identity the receiver sends in its HELLO (``transport_to``: a peer on another
+host is reached over ``tcp`` or RDMA, never ``cma``). DESIGN.md measured it on host memory:
 over ``cma`` the initiator's CPU does the copy, so a pull by D costs P nothing while a push costs
 P a share of its compute; over ``tcp`` a push costs P less than a pull; over RDMA and device
 memory the NIC copies, so both cost the same and push needs one message less (the figures are
@@ -18,6 +20,7 @@ and ``recv_push`` / ``recv_pull`` under ``KVReceiver``.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 
 
@@ -32,9 +35,64 @@ def transport_of(env: dict[str, str] | None = None) -> str:
     tls = (env if env is not None else os.environ).get("UCX_TLS", "").lower()
     if not tls or "cma" in tls or tls == "all":
         return "cma"
-    if any(name in tls for name in ("rc", "ud", "dc", "ib", "gdr")):
+    if any(name in tls for name in _RDMA_TLS):
         return "rdma"
     return "tcp"
+
+
+_RDMA_TLS = ("rc", "ud", "dc", "ib", "gdr")
+
+
+@functools.cache
+def host_identity() -> str:
+    """Who shares memory with whom: the kernel's boot id and our network namespace's inode.
+
+    Two processes with the same identity run on one kernel in one network namespace (``cma``
+    and shared memory reach each other); any other pair is treated as separate hosts, which
+    is what they are on a cluster and what the test bed's namespaces emulate (they share a
+    kernel, so UCX would copy through ``cma`` between them unless told not to). Sent in the
+    receiver's HELLO (``Hello.host``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "unknown-netns"
+    return f"{boot}/{netns}"
+
+
+def transport_to(peer_host: str | None, env: dict[str, str] | None = None) -> str:
+    """The UCX transport that carries bytes to a peer whose ``host_identity`` is ``peer_host``.
+
+    Same host (or a peer that did not say: a version-1 peer without the field): what
+    ``transport_of`` reads from UCX_TLS. Another host: never ``cma`` (it copies between
+    processes of one kernel): ``rdma`` when UCX_TLS names an RDMA transport, else ``tcp``."""
+    if peer_host is None or peer_host == host_identity():
+        return transport_of(env)
+    tls = (env if env is not None else os.environ).get("UCX_TLS", "").lower()
+    if any(name in tls for name in _RDMA_TLS):
+        return "rdma"
+    return "tcp"
+
+
+def cross_host_tls_problem(env: dict[str, str] | None = None) -> str | None:
+    """Why a UCX_TLS setting cannot reach another host (``None``: it can).
+
+    A list of only same-host transports (``cma``, ``sm``/``shm``, ``self``, ``posix``,
+    ``sysv``, ``xpmem``, ``knem``) leaves UCX nothing to reach a peer on another host."""
+    tls = (env if env is not None else os.environ).get("UCX_TLS", "").lower().strip()
+    if not tls or tls in ("all", "^cma"):
+        return None
+    names = [t.strip().lstrip("^") for t in tls.split(",") if t.strip()]
+    if tls.startswith("^"):
+        return None  # an exclusion list keeps the network transports
+    local = {"cma", "sm", "shm", "self", "posix", "sysv", "xpmem", "knem", "mm"}
+    if all(n in local for n in names):
+        return f"UCX_TLS={tls} has no network transport (add tcp, or rc/ud/dc for RDMA)"
+    return None
 
 
 def choose(transport: str, memory: str) -> Direction:

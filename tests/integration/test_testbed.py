@@ -215,3 +215,14 @@ def test_stale_namespaces_of_a_crashed_run_are_removed():
         assert not set(left) & set(tbmod.namespaces())
         assert bed["y"].netns in tbmod.namespaces()
     assert bed["y"].netns not in tbmod.namespaces()
+
+
+def test_each_host_has_its_own_host_identity(bed):
+    """Two test-bed hosts share a kernel but not a network namespace: the identity in the HELLO
+    tells them apart, so the transport between them is tcp, never cma."""
+    code = "from splitserve.transfer import strategy; print(strategy.host_identity())"
+    ids = {name: bed[name].run([sys.executable, "-c", code]).stdout.strip() for name in "ab"}
+    from splitserve.transfer import strategy
+
+    assert len({ids["a"], ids["b"], strategy.host_identity()}) == 3
+    assert strategy.transport_to(ids["b"], {}) == "tcp"
