@@ -331,10 +331,27 @@ def backend_of(pool: Any, url: str) -> Any:
     return next(b for b in pool.backends if urlsplit(b.url).port == port)
 
 
+def hints(fleet: Fleet, lines: int = 12) -> str:
+    """The servers' last transfer warnings and errors (side channel, KV loads), for a failure
+    message: what the engines saw is most of what explains a wrong outcome."""
+    out = []
+    for key in KEYS:
+        log = fleet.group.servers[key].process.log_path
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = [
+            line[:240]
+            for line in text.splitlines()
+            if ("WARNING" in line or "ERROR" in line)
+            and any(w in line for w in ("side channel", "KV load", "transfer", "sender"))
+        ]
+        out.append(f"--- {key}: " + ("\n".join(found[-lines:]) or "(nothing)"))
+    return "\n".join(out)
+
+
 def check_next(fleet: Fleet, proxy_url: str, seed: int, stream: bool = False) -> None:
     prompt = text_prompt(300, seed)
     answer = send(proxy_url, body_for(prompt, stream))
-    assert answer.text == colocated(fleet, prompt), answer
+    assert answer.text == colocated(fleet, prompt), f"{answer}\n{hints(fleet)}"
 
 
 # -- the matrix ----------------------------------------------------------------------------------
@@ -374,7 +391,7 @@ def test_p_killed_mid_prefill_is_retried_on_the_other_pair(fleet):
         in_prefill(running, backend_of(running.state.prefill, fleet.url(victim)))
         fleet.kill(victim)
         answer = future.result(timeout=REQUEST_S + 30)
-        assert answer.text == ref, answer
+        assert answer.text == ref, f"{answer}\n{hints(fleet)}"
         assert answer.seconds < REQUEST_S
         survivor = "fm-p2" if victim == "fm-p1" else "fm-p1"
         kv_free(fleet, (survivor, "fm-d"))
@@ -408,7 +425,7 @@ def test_single_p_killed_then_restarted_on_its_ports_under_a_live_d(fleet):
         wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
         answers = [send(running.url, body_for(text_prompt(200, 31 + i))) for i in range(4)]
     failed = [a for a in answers if a.text is None]
-    assert len(failed) <= 1 and all(a.clean for a in failed), answers
+    assert len(failed) <= 1 and all(a.clean for a in failed), f"{answers}\n{hints(fleet)}"
     for answer, ref in zip(answers, refs, strict=True):
         assert answer.text in (None, ref), answer
     kv_free(fleet)
@@ -444,7 +461,7 @@ def test_d_killed_mid_transfer_push_and_pull(fleet):
             backend = proxy_.state.decode.backends[0]
             wait_for(lambda b=backend: b.healthy, "the restarted D readmitted")
             answer = send(proxy_.url, body_for(text_prompt(300, 50 + i)))
-            assert answer.text == next_refs[i], answer
+            assert answer.text == next_refs[i], f"{answer}\n{hints(fleet)}"
     kv_free(fleet)
 
 
