@@ -9,6 +9,7 @@ attacker, real vLLM servers for everything under test.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import threading
@@ -100,8 +101,8 @@ def _connected(sock: zmq.Socket, port: int, key: bytes | None, bound_s: float = 
         CurveKeys.derive(key).apply_client(sock)
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(f"tcp://127.0.0.1:{port}")
-    # an unkeyed peer never gets there: 2 s of trying is enough to say so
-    end = time.monotonic() + (bound_s if key is not None else 2.0)
+    # an unkeyed peer never gets there on a keyed P: 2 s of trying is enough to say so
+    end = time.monotonic() + (bound_s if key is not None else min(bound_s, 2.0))
     try:
         while time.monotonic() < end:
             if monitor.poll(100):
@@ -121,7 +122,7 @@ def _send_all(sock: zmq.Socket, frames: list[list[bytes]]) -> None:
             sock.send_multipart(parts, zmq.NOBLOCK)
 
 
-def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
+def _attack(port: int, key: bytes | None, rng: random.Random, *, keyed_p: bool = True) -> int:
     """Send every hostile frame from one connection (keyed: a peer holding the deployment key
     gone rogue; unkeyed: anyone on the network). Returns the number of messages sent."""
     ctx = zmq.Context()
@@ -129,8 +130,11 @@ def _attack(port: int, key: bytes | None, rng: random.Random) -> int:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        connected = _connected(sock, port, key)
-        assert connected == (key is not None), "only a keyed peer may open a session"
+        connected = _connected(sock, port, key, bound_s=10.0)
+        if keyed_p:
+            assert connected == (key is not None), "only a keyed peer may open a session"
+        else:
+            assert connected, "a P without a key takes anyone's connection"
         frames = _hostile_frames(rng)
         if key is not None:
             frames[3] = [messages.encode(messages.decode(frames[3][0]), key)]
@@ -346,6 +350,8 @@ class _Relay:
                 client, _ = self.listener.accept()
             except TimeoutError:
                 continue
+            except OSError:  # closed by ``close``
+                return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             for a, b in ((client, upstream), (upstream, client)):
                 t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
@@ -427,3 +433,186 @@ def test_a_silent_partition_fails_the_load_within_its_bound_and_recovers(pair):
         assert_same(answer, ref, "after the network returned")
     finally:
         relay.close()
+
+
+# -- without a key (loopback): the same attacks on a pair that runs with none ----------------
+
+
+@pytest.fixture(scope="module")
+def open_pair(servers, tiny_model) -> dict[str, tuple[str, int]]:
+    """Two connector servers WITHOUT a key (allowed on loopback: docs/security.md), so the
+    attacks a key stops at the handshake reach the decoder and the admission rules."""
+    from splitserve.netutil import free_ports
+
+    pair: dict[str, tuple[str, int]] = {}
+    keys = ("ss-open-a", "ss-open-b")
+    ports = dict(zip(keys, free_ports(2), strict=True))
+    for core, key in enumerate(keys):
+        config = {
+            "kv_connector": "SplitserveConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "side_channel_port": ports[key],
+                "lease_s": 20,
+                "done_timeout_s": 300,
+            },
+        }
+        servers.vllm(
+            key,
+            tiny_model,
+            kv_transfer_config=config,
+            extra_args=["--max-model-len", "2048", "--max-num-batched-tokens", "512"],
+            cpu_core=core,
+            wait=False,
+        )
+    servers.wait_all(*keys)
+    for key in keys:
+        server = servers.group.servers[key]
+        argv = server.process.argv
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        pair[key] = (server.url, int(config["kv_connector_extra_config"]["side_channel_port"]))
+    return pair
+
+
+def test_hostile_frames_cannot_stop_a_prefill_side_channel_without_a_key(open_pair, servers):
+    """The same fuzz on a P that runs without a key: every frame reaches the decoder now, and
+    every bad one is refused and counted; afterwards a concurrent request equals colocated
+    within 30 s and P's RSS grew < 200 MB."""
+    p, d = open_pair["ss-open-a"], open_pair["ss-open-b"]
+    p_url, p_side = p
+    prompt = prompt_of(300, 1601)
+    ref = reference(p_url, prompt)
+    pid = _server_pid(servers, "ss-open-a")
+    rss_before = _tree_rss(pid)
+    rejected_before = metric(p_url, "vllm:splitserve_messages_rejected_total")
+    sent = _attack(p_side, None, random.Random(8), keyed_p=False)
+    start = time.monotonic()
+    answer = concurrent_flow(p, d, prompt)
+    assert time.monotonic() - start < 30, "the side channel stalled after the attack"
+    assert_same(answer, ref, "after hostile frames, no key")
+    expected = sent - 1  # all but the billion-block HELLO (the sender refuses that one)
+    end = time.monotonic() + 30
+    while metric(p_url, "vllm:splitserve_messages_rejected_total") < rejected_before + expected:
+        assert time.monotonic() < end, "refusals not counted"
+        time.sleep(0.5)
+    grown = _tree_rss(pid) - rss_before
+    assert grown < 200 * MiB, f"P's RSS grew {grown / MiB:.0f} MiB under the attack"
+
+
+# -- cross-tenant: D1's HELLO replayed by someone else -----------------------------------------
+
+
+class _Recorder:
+    """A ROUTER that a decode server is told to use as its P (anyone reaching D's HTTP port can
+    name one): it records D's HELLO and refuses it, so D's load ends at once. With ``key`` it
+    plays a peer that holds the deployment key."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self.key = key
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.auth = None
+        if key is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+            CurveKeys.derive(key).apply_server(self.sock)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def hello(self, bound_s: float = 60.0) -> bytes:
+        """The wire bytes of the first HELLO that arrives (refused with an ABORT)."""
+        end = time.monotonic() + bound_s
+        while time.monotonic() < end:
+            if not self.sock.poll(100):
+                continue
+            ident, wire = self.sock.recv_multipart()[:2]
+            if isinstance(messages.decode(wire, self.key), messages.Hello):
+                refuse = messages.Abort(transfer_id="*", reason="recorder")
+                self.sock.send_multipart([ident, messages.encode(refuse, self.key)])
+                return wire
+        raise AssertionError("the decode server never said HELLO to the recorder")
+
+    def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.destroy(0)
+
+
+def _replay(p_side: int, key: bytes | None, hello_wire: bytes, register: messages.Register):
+    """Replay D1's recorded HELLO to P on a connection of our own, a REGISTER of D1's blocks
+    for another transfer behind it; returns P's answers (within 30 s, until two arrive)."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, messages.new_routing_id())
+        assert _connected(sock, p_side, key), "the attacker could not reach P"
+        sock.send(hello_wire)
+        sock.send(messages.encode(register, key))
+        answers: list[messages.Message] = []
+        end = time.monotonic() + 30
+        while len(answers) < 2 and time.monotonic() < end:
+            if sock.poll(100):
+                answers.append(messages.decode(sock.recv(), key))
+        return answers
+    finally:
+        ctx.destroy(0)
+
+
+def _cross_tenant(p, d1, key: bytes | None, seed: int) -> None:
+    (p_url, p_side), (d1_url, _) = p, d1
+    warm = prompt_of(90, seed)
+    assert_same(concurrent_flow(p, d1, warm), reference(p_url, warm), "D1 before")  # D1 bound
+    rejected_before = metric(p_url, "vllm:splitserve_registrations_rejected_total")
+    recorder = _Recorder(key)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            d1_load = pool.submit(
+                _direct_d_request, d1_url, prompt_of(40, seed + 1), "127.0.0.1", recorder.port
+            )
+            hello_wire = recorder.hello()
+            assert "choices" in d1_load.result() or "http_error" in d1_load.result()
+    finally:
+        recorder.close()
+    hello = messages.decode(hello_wire, key)
+    assert isinstance(hello, messages.Hello)
+    # Another tenant's request on P, whose KV the attacker wants written into D1's blocks.
+    stolen = dispatch.new_transfer_id()
+    prefill, _ = dispatch.vllm_concurrent_requests(
+        body_for(prompt_of(200, seed + 2)), stolen, "127.0.0.1", p_side
+    )
+    register = messages.Register(
+        transfer_id=stolen, agent_name=hello.agent_name, block_ids=[[1, 2, 3]], token_offset=0
+    )
+    with ThreadPoolExecutor(1) as pool:
+        p_answer = pool.submit(post, p_url, prefill)
+        answers = _replay(p_side, key, hello_wire, register)
+        assert "choices" in p_answer.result(), p_answer.result()
+    kinds = [
+        (type(m).__name__, getattr(m, "transfer_id", ""), getattr(m, "reason", "")) for m in answers
+    ]
+    assert len(kinds) == 2, kinds
+    assert kinds[0][0] == "Abort" and kinds[0][1] == "*" and "did not confirm" in kinds[0][2], kinds
+    assert kinds[1][:2] == ("Abort", stolen) and "HELLO" in kinds[1][2], kinds
+    assert metric(p_url, "vllm:splitserve_registrations_rejected_total") >= rejected_before + 2
+    after = prompt_of(130, seed + 3)
+    assert_same(concurrent_flow(p, d1, after), reference(p_url, after), "D1 after the replay")
+    wait_kv_usage_zero(d1_url)
+    wait_kv_usage_zero(p_url, bound=20 + 60)  # the stolen transfer is freed by its lease
+
+
+def test_a_replayed_hello_and_a_register_of_its_blocks_are_refused_with_a_key(pair):
+    """Cross-tenant, keyed: a peer holding the deployment key replays D1's HELLO (recorded by
+    being named as D1's P) on its own connection and registers D1's blocks for another tenant's
+    transfer: P asks D1, D1 says the connection is not its own, both are refused, and D1's next
+    answer equals colocated."""
+    _cross_tenant(pair["ss-a"], pair["ss-b"], pair.auth_key.encode(), 6001)
+
+
+def test_a_replayed_hello_and_a_register_of_its_blocks_are_refused_without_a_key(open_pair):
+    """The same without a key: the binding of an agent to the connection it first said HELLO
+    on, with the agent's own confirmation for any other, is what refuses the replay."""
+    _cross_tenant(open_pair["ss-open-a"], open_pair["ss-open-b"], None, 6101)
