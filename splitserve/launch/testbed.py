@@ -152,6 +152,12 @@ class Host:
         """``argv`` run inside this host (``ip netns exec`` execs it: same pid, same group)."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
+    def ucx_env(self) -> dict[str, str]:
+        """The UCX settings of a process on this host: tcp only. The hosts share one kernel,
+        so UCX would call a peer on another test-bed host "intra-node" and copy by ``cma``;
+        a real separate machine cannot, and neither may the test bed."""
+        return {"UCX_TLS": "tcp"}
+
     def run(
         self, argv: Sequence[str], check: bool = True, timeout: float = 30
     ) -> subprocess.CompletedProcess[str]:

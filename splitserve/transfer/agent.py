@@ -1,28 +1,28 @@
 """NIXL agent lifecycle and block-level transfers, in the process that owns the KV cache.
 
-``KVAgent`` wraps one ``nixl_agent`` with the UCX backend: it registers the KV memory described
-by a ``KVLayout`` with its real memory type (DRAM for host memory), prepares one descriptor
-list over every (layer, block, run) of the local cache and of each peer's cache, and posts
-WRITE or READ transfers for lists of (layer, local block, remote block) triples. It imports no
-engine. NIXL's own progress thread is off: it polls with no delay and keeps a whole core busy
-(ENVIRONMENT.md). Instead, while WRITEs posted here are in flight, a thread of ours drives their
-progress every ``progress_interval_s`` and sleeps in between: on a transport that copies at post
-time (UCX ``cma``, host memory here) it finds them done at once, but over ``tcp`` (and RDMA
-rendezvous) a posted WRITE moves only while someone calls into NIXL, so without it a layer
-posted during the forward would wait for the step's end. The same thread also runs while a peer
-pulls from our memory (``hold_progress``): over ``cma`` a READ posted by the peer is reported
-done only if this side calls into NIXL often enough (DESIGN.md gives the bound), and the side
-that announced the blocks is computing; it then calls ``get_new_notifs`` every
-``serve_interval_s`` and keeps what it returns for ``notifications``. That interval is longer
-than the WRITE one because each round costs the computing thread on the same core (the cost
-per interval is measured in docs/benchmarks.md, "First token from the prefill server"), while
-the peer's READ has already copied its bytes at post and only waits for its completion to be
-reported. An urgent hold (``hold_progress(urgent=True)``: the side computes no more for that
-transfer, D's last READs are on the critical path) rounds every ``progress_interval_s``;
-``linger_progress(seconds)`` keeps the slow rounds going a while after the last hold (a pull
-that ended without the peer saying its READs were done: they must still complete on its
-side). Every call into the NIXL agent holds one lock (the agent is made without NIXL's own
-thread safety).
+``KVAgent`` wraps one ``nixl_agent`` with the UCX backend (or the NIXL backends the connector
+setting ``nixl_backends`` lists, in order of preference; one that does not load stops start-up): it
+registers the KV memory described by a ``KVLayout`` with its real memory type (DRAM for host
+memory), prepares one descriptor list over every (layer, block, run) of the local cache and of each
+peer's cache, and posts WRITE or READ transfers for lists of (layer, local block, remote block)
+triples. It imports no engine. NIXL's own progress thread is off: it polls with no delay and keeps
+a whole core busy (ENVIRONMENT.md). Instead, while WRITEs posted here are in flight, a thread of
+ours drives their progress every ``progress_interval_s`` and sleeps in between: on a transport that
+copies at post time (UCX ``cma``, host memory here) it finds them done at once, but over ``tcp``
+(and RDMA rendezvous) a posted WRITE moves only while someone calls into NIXL, so without it a
+layer posted during the forward would wait for the step's end. The same thread also runs while a
+peer pulls from our memory (``hold_progress``): over ``cma`` a READ posted by the peer is reported
+done only if this side calls into NIXL often enough (DESIGN.md gives the bound), and the side that
+announced the blocks is computing; it then calls ``get_new_notifs`` every ``serve_interval_s`` and
+keeps what it returns for ``notifications``. That interval is longer than the WRITE one because
+each round costs the computing thread on the same core (the cost per interval is measured in
+docs/benchmarks.md, "First token from the prefill server"), while the peer's READ has already
+copied its bytes at post and only waits for its completion to be reported. An urgent hold
+(``hold_progress(urgent=True)``: the side computes no more for that transfer, D's last READs are on
+the critical path) rounds every ``progress_interval_s``; ``linger_progress(seconds)`` keeps the
+slow rounds going a while after the last hold (a pull that ended without the peer saying its READs
+were done: they must still complete on its side). Every call into the NIXL agent holds one lock
+(the agent is made without NIXL's own thread safety).
 
 Invariants:
 - Every block id is validated against the layer of the layout it indexes before anything is
@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.transfer.layout import KVLayout
 
@@ -55,6 +56,34 @@ def _nixl_api():
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent, nixl_agent_config
+
+
+class NixlBackend(BaseModel):
+    """One NIXL backend to create in the agent: its plugin name and init parameters (the
+    connector setting ``nixl_backends`` is a list of these, in order of preference)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64, description="NIXL plugin, e.g. UCX, LIBFABRIC")
+    params: dict[str, str] = Field(default_factory=dict, description="the plugin's init params")
+
+
+def backend_list(
+    backends: Sequence[NixlBackend] | None, ucx_params: dict[str, str] | None = None
+) -> list[NixlBackend]:
+    """The backends an agent creates: ``backends`` or UCX alone (the default); the older
+    ``ucx_params`` setting fills in a UCX entry's parameters it does not set itself."""
+    chosen = list(backends) if backends else [NixlBackend(name="UCX")]
+    if ucx_params:
+        chosen = [
+            b.model_copy(update={"params": {**ucx_params, **b.params}}) if b.name == "UCX" else b
+            for b in chosen
+        ]
+    return chosen
+
+
+class BackendUnavailableError(RuntimeError):
+    """A configured NIXL backend is unknown here or did not load (refused at start-up)."""
 
 
 class TransferPostError(RuntimeError):
@@ -126,6 +155,7 @@ class KVAgent:
         layout: KVLayout,
         *,
         backend_params: dict[str, str] | None = None,
+        backends: Sequence[NixlBackend] | None = None,
         progress_interval_s: float = 0.001,
         serve_interval_s: float = 0.02,
     ) -> None:
@@ -145,7 +175,7 @@ class KVAgent:
         self._progress: threading.Thread | None = None
         config = nixl_agent_config(enable_prog_thread=False, backends=[])
         self._agent = nixl_agent(name, config)
-        self._agent.create_backend("UCX", dict(backend_params or {}))
+        self.backend_names = self._create_backends(backend_list(backends, backend_params))
         ranges = layout.memory_ranges()
         self._reg = self._agent.register_memory(
             [(start, length, layout.device_id, "") for start, length in ranges], layout.memory
@@ -163,6 +193,30 @@ class KVAgent:
             layout.num_blocks,
             os.getpid(),
         )
+
+    def _create_backends(self, backends: list[NixlBackend]) -> list[str]:
+        """Create each backend in order or raise ``BackendUnavailableError`` saying why."""
+        try:
+            available = list(self._agent.get_plugin_list())
+        except Exception:  # listing is a convenience for the message; creation decides
+            available = []
+        names = []
+        for backend in backends:
+            if available and backend.name not in available:
+                raise BackendUnavailableError(
+                    f"NIXL backend {backend.name!r} is unknown here (plugins found: "
+                    f"{', '.join(sorted(available))}); fix nixl_backends"
+                )
+            try:
+                self._agent.create_backend(backend.name, dict(backend.params))
+            except Exception as exc:  # nixl raises its own error types
+                raise BackendUnavailableError(
+                    f"NIXL backend {backend.name!r} did not load with params {backend.params}: "
+                    f"{type(exc).__name__}: {exc} (its plugin or the library under it is "
+                    "missing or refused the parameters); fix or remove it in nixl_backends"
+                ) from exc
+            names.append(backend.name)
+        return names
 
     # -- metadata and peers -------------------------------------------------------------------
 
@@ -261,7 +315,13 @@ class KVAgent:
         with self._lock:
             try:
                 handle = self._agent.make_prepped_xfer(
-                    operation, self._local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
+                    operation,
+                    self._local_dlist,
+                    local_idx,
+                    peer.dlist,
+                    remote_idx,
+                    notif_msg=notif,
+                    backends=self.backend_names,  # in order of preference
                 )
             except Exception as exc:  # nixl raises its own error types; carry the reason up
                 raise TransferPostError(f"make_prepped_xfer to {peer_name}: {exc}") from exc

@@ -38,10 +38,14 @@ def make_cache(seed: int | None):
 
 
 def make_agent(name: str, cache):
-    from splitserve.transfer.agent import KVAgent
+    """The agent over ``cache``, with the NIXL backends named in ``NIXL_BACKENDS`` (JSON, the
+    connector setting's form; default UCX)."""
+    from splitserve.transfer.agent import KVAgent, NixlBackend
     from splitserve.transfer.layout import kv_layout_from_tensors
 
-    return KVAgent(name, kv_layout_from_tensors(cache, NUM_BLOCKS, BLOCK_SIZE))
+    raw = os.environ.get("NIXL_BACKENDS")
+    backends = [NixlBackend.model_validate(b) for b in json.loads(raw)] if raw else None
+    return KVAgent(name, kv_layout_from_tensors(cache, NUM_BLOCKS, BLOCK_SIZE), backends=backends)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +61,7 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
 
     cache = make_cache(seed=1234)
     agent = make_agent(f"P-{os.getpid()}", cache)
-    channel = SideChannel("127.0.0.1", port, key)
+    channel = SideChannel(os.environ.get("SENDER_HOST", "127.0.0.1"), port, key)
     lease_s = float(os.environ.get("LEASE_S", "30"))
     direction = Direction(os.environ.get("DIRECTION", "push"))
     sender = KVSender(agent, channel, lease_s=lease_s, direction=direction)
@@ -126,6 +130,42 @@ def run_receiver(port: int, key: bytes | None) -> None:
             said = True
             print("EVENT " + json.dumps({"event": "reading"}), flush=True)
         time.sleep(0.002)
+
+
+def run_checking_receiver(host: str, port: int, key: bytes | None) -> None:
+    """D as a child (on another test-bed host): receive the 5 blocks from P at ``host``, check
+    every byte, and report the outcome, the bytes check and the transport D saw."""
+    from splitserve.transfer import strategy
+    from splitserve.transfer.receiver import KVReceiver
+    from splitserve.transfer.side_channel import SideChannel
+
+    cache = make_cache(seed=None)
+    agent = make_agent(f"D-{os.getpid()}", cache)
+    channel = SideChannel(None, None, key)
+    receiver = KVReceiver(agent, channel, done_timeout_s=60, abort_ack_timeout_s=5)
+    d_blocks = [9, 2, 4, 6, 1]
+    receiver.expect("tid-1", host, port, d_blocks, token_offset=0)
+    outcome = settle(receiver, "tid-1", bound=60.0)
+    problem = None
+    if outcome.ok:
+        try:
+            check_bytes(
+                cache, expected_blocks(), list(zip([3, 0, 7, 5, 11], d_blocks, strict=True))
+            )
+        except AssertionError as exc:
+            problem = str(exc)
+    report = {
+        "event": "received",
+        "ok": outcome.ok,
+        "reason": outcome.reason,
+        "bytes_ok": outcome.ok and problem is None,
+        "problem": problem,
+        "reads_posted": receiver.stats.reads_posted,
+        "host": strategy.host_identity(),
+    }
+    print("EVENT " + json.dumps(report), flush=True)
+    channel.close()
+    agent.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,5 +446,8 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging_level)
     if sys.argv[1] == "receive":
         run_receiver(int(sys.argv[2]), sys.argv[3].encode() or None)
+    elif sys.argv[1] == "receive-check":
+        host, port_text = sys.argv[2].rsplit(":", 1)
+        run_checking_receiver(host, int(port_text), sys.argv[3].encode() or None)
     else:
         run_sender(sys.argv[1], int(sys.argv[2]), sys.argv[3].encode() or None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from splitserve.transfer import messages, strategy
 
 
@@ -39,3 +41,32 @@ def test_hello_host_is_optional_on_the_wire():
     wire = messages.encode(old)
     assert b'"host"' not in wire
     assert messages.decode(wire).host is None
+
+
+def test_backend_list_defaults_to_ucx_and_merges_the_older_ucx_params():
+    from splitserve.transfer.agent import NixlBackend, backend_list
+
+    assert backend_list(None) == [NixlBackend(name="UCX")]
+    assert backend_list(None, {"num_workers": "2"}) == [
+        NixlBackend(name="UCX", params={"num_workers": "2"})
+    ]
+    chosen = backend_list(
+        [NixlBackend(name="LIBFABRIC"), NixlBackend(name="UCX", params={"num_workers": "4"})],
+        {"num_workers": "2", "ucx_devices": "eth0"},
+    )
+    assert [b.name for b in chosen] == ["LIBFABRIC", "UCX"]
+    assert chosen[1].params == {"num_workers": "4", "ucx_devices": "eth0"}
+
+
+def test_connector_settings_name_backends():
+    from splitserve.connectors.sglang.transport import BackendSettings, BackendSettingsError
+    from splitserve.connectors.vllm.config import SplitserveConnectorConfig
+
+    cfg = SplitserveConnectorConfig.model_validate(
+        {"side_channel_port": 5600, "nixl_backends": [{"name": "UCX", "params": {"a": "b"}}]}
+    )
+    assert cfg.nixl_backends[0].params == {"a": "b"}
+    env = {"SPLITSERVE_SGLANG_NIXL_BACKENDS": '[{"name": "LIBFABRIC"}]'}
+    assert BackendSettings.from_env(env).nixl_backends[0].name == "LIBFABRIC"
+    with pytest.raises(BackendSettingsError, match="NIXL_BACKENDS: not JSON"):
+        BackendSettings.from_env({"SPLITSERVE_SGLANG_NIXL_BACKENDS": "[oops"})

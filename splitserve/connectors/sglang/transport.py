@@ -46,7 +46,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitserve.netutil import is_loopback
-from splitserve.transfer.agent import KVAgent
+from splitserve.transfer.agent import KVAgent, NixlBackend
 from splitserve.transfer.auth import KEY_ENV, KEY_FILE_ENV, AuthKeyError, load_key
 from splitserve.transfer.layout import KVLayout, LayerLayout, MemoryKind
 from splitserve.transfer.peers import PeerAllowlist
@@ -74,6 +74,7 @@ class BackendSettings(BaseModel):
     abort_ack_timeout_s: float = Field(5.0, gt=0)
     layerwise: bool = True
     ucx_params: dict[str, str] = Field(default_factory=dict)
+    nixl_backends: list[NixlBackend] | None = None  # JSON list, in order of preference
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> BackendSettings:
@@ -83,11 +84,13 @@ class BackendSettings(BaseModel):
             value = env.get(ENV_PREFIX + name.upper())
             if value is None or value == "":
                 continue
-            if name == "ucx_params":
+            if name in ("ucx_params", "nixl_backends"):
                 try:
                     raw[name] = json.loads(value)
                 except json.JSONDecodeError as exc:
-                    raise BackendSettingsError(f"{ENV_PREFIX}UCX_PARAMS: not JSON: {exc}") from exc
+                    raise BackendSettingsError(
+                        f"{ENV_PREFIX}{name.upper()}: not JSON: {exc}"
+                    ) from exc
             else:
                 raw[name] = value
         try:
@@ -259,6 +262,7 @@ def open_transport(
         agent_name("prefill" if prefill else "decode"),
         layout,
         backend_params=settings.ucx_params,
+        backends=settings.nixl_backends,
     )
     key = side_channel_key(settings, host, prefill=prefill)
     if prefill:

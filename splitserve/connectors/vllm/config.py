@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.netutil import is_loopback
+from splitserve.transfer.agent import NixlBackend
 from splitserve.transfer.auth import KEY_ENV, KEY_FILE_ENV, AuthKeyError, load_key
 from splitserve.transfer.peers import PeerAllowlist
 
@@ -67,6 +68,12 @@ class SplitserveConnectorConfig(BaseModel):
     )
     ucx_backend_params: dict[str, str] = Field(
         default_factory=dict, description="extra UCX backend init parameters for NIXL"
+    )
+    nixl_backends: list[NixlBackend] | None = Field(
+        None,
+        description="NIXL backends to create, in order of preference, each "
+        '{"name": "UCX", "params": {...}}; default UCX alone. One that does not load '
+        "stops start-up with the reason",
     )
 
     @model_validator(mode="before")

@@ -130,7 +130,12 @@ class SplitserveWorker:
         direction = strategy.effective(transport, layout.memory, self.config.direction)
         preferred = strategy.choose(transport, layout.memory)
         name = f"splitserve-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = KVAgent(name, layout, backend_params=self.config.ucx_backend_params)
+        self.agent = KVAgent(
+            name,
+            layout,
+            backend_params=self.config.ucx_backend_params,
+            backends=self.config.nixl_backends,
+        )
         key = self.config.load_auth_key()
         self.channel = SideChannel(
             self.config.side_channel_host, self.config.side_channel_port, key, name="splitserve-sc"
