@@ -430,13 +430,20 @@ class KVSender:
             self._dispatch(peer, message)
 
     def _check_peer_transport(self, hello: messages.Hello) -> None:
-        """A pull chosen for ``cma`` (same host) is wrong for a receiver on another host: say so
-        once per receiver (the direction is per process; ``strategy.transport_to``)."""
+        """A receiver on another host: say once per receiver what will not work with it (a
+        UCX_TLS without a network transport) or is the same-host choice (a pull chosen for
+        ``cma``; the direction is per process; ``strategy.transport_to``)."""
         transport = strategy.transport_to(hello.host)
-        cross_host_pull = self.direction is Direction.PULL and transport != "cma"
-        if cross_host_pull and hello.agent_name not in self._warned_hosts:
-            if len(self._warned_hosts) < 4096:  # bounded: a peer may send many names
-                self._warned_hosts.add(hello.agent_name)
+        if transport == "cma" or hello.agent_name in self._warned_hosts:
+            return
+        if len(self._warned_hosts) < 4096:  # bounded: a peer may send many names
+            self._warned_hosts.add(hello.agent_name)
+        problem = strategy.cross_host_tls_problem()
+        if problem:
+            logger.warning(
+                "receiver %s is on another host: %s (docs/deployment.md)", hello.agent_name, problem
+            )
+        if self.direction is Direction.PULL:
             logger.warning(
                 "receiver %s is on another host (reached over %s) but this sender pulls, "
                 "the direction for same-host cma; set direction=push for cross-host "
