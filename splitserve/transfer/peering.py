@@ -87,7 +87,7 @@ class PeerAdmission:
         self,
         agent: KVAgent,
         channel: SideChannel,
-        hello_ack: Callable[[], messages.HelloAck],
+        hello_ack: Callable[[str], messages.HelloAck],  # the answer for this agent name
         on_refused: Callable[[], None],
         *,
         confirm_timeout_s: float = 5.0,
@@ -171,7 +171,7 @@ class PeerAdmission:
         home = self._home.get(name)
         if home is None or home == peer.inbound or bound == name:
             self.admit(peer, name)
-            self.channel.send(peer, self._hello_ack())
+            self.channel.send(peer, self._hello_ack(name))
             return
         if peer.inbound in self._pending:
             return  # a repeated HELLO while asking: the question stands
@@ -284,7 +284,7 @@ class PeerAdmission:
         peer = PeerRef(inbound=inbound)
         if confirmed:
             self.admit(peer, pending.agent_name)
-            self.channel.send(peer, self._hello_ack())
+            self.channel.send(peer, self._hello_ack(pending.agent_name))
         else:
             self._refuse(
                 peer,

@@ -101,6 +101,7 @@ class KVSender:
         *,
         lease_s: float,
         direction: Direction = Direction.PUSH,
+        per_peer: bool = False,
         clock=time.monotonic,
     ) -> None:
         self.agent = agent
@@ -113,18 +114,17 @@ class KVSender:
         self.clock = clock
         self.stats = SenderStats()
         self._warned_hosts: set[str] = set()  # receivers told about (cross-host pull)
-        self.strategy: SendStrategy
-        if direction is Direction.PULL:
-            self.strategy = PullSending(agent, channel, self.stats, lease_s=lease_s, clock=clock)
-        else:
-            self.strategy = PushSending(agent, channel, self.stats)
+        self._per_peer = per_peer
+        self._strategies: dict[Direction, SendStrategy] = {}
+        self._peer_direction: dict[str, Direction] = {}  # agent -> told in its HELLO_ACK
+        self.strategy: SendStrategy = self._strategy(direction)  # the default direction's
         self._transfers: dict[str, Outgoing] = {}
         self._orphans: dict[str, _Orphan] = {}
         self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
         self.peers = PeerAdmission(
             agent,
             channel,
-            self.strategy.hello_ack,
+            self._hello_ack,
             self._count_refused_hello,
             clock=clock,
             in_use=self._agents_in_use,
@@ -135,7 +135,31 @@ class KVSender:
 
     @property
     def direction(self) -> Direction:
+        """The default direction (``per_peer``: a receiver's own is ``direction_of``)."""
         return self.strategy.direction
+
+    def direction_of(self, agent_name: str) -> Direction:
+        """The direction this sender told the receiver ``agent_name`` in its HELLO_ACK."""
+        return self._peer_direction.get(agent_name, self.strategy.direction)
+
+    def _strategy(self, direction: Direction) -> SendStrategy:
+        """The one strategy object of a direction, made when first needed."""
+        made = self._strategies.get(direction)
+        if made is None:
+            if direction is Direction.PULL:
+                made = PullSending(
+                    self.agent, self.channel, self.stats, lease_s=self.lease_s, clock=self.clock
+                )
+            else:
+                made = PushSending(self.agent, self.channel, self.stats)
+            self._strategies[direction] = made
+        return made
+
+    def _strategy_of(self, out: Outgoing) -> SendStrategy:
+        return self._strategy(self.direction_of(out.peer_agent or ""))
+
+    def _hello_ack(self, agent_name: str) -> messages.HelloAck:
+        return self._strategy(self.direction_of(agent_name)).hello_ack()
 
     # -- engine-driven lifecycle -------------------------------------------------------------
 
@@ -246,10 +270,10 @@ class KVSender:
         now = self.clock()
         for out in list(self._transfers.values()):
             in_flight = list(out.handles)
-            failure = self.strategy.progress(out)
+            failure = self._strategy_of(out).progress(out)
             if failure is not None:
                 self._fail(out, failure)
-            elif self.strategy.delivered(out):
+            elif self._strategy_of(out).delivered(out):
                 self._complete(out)
             if stalled(out, in_flight, now, self.lease_s):
                 self._cancel_stalled(out, now)
@@ -275,7 +299,7 @@ class KVSender:
                 continue
             self._notify_peer_of_end(out)
             if out.request_finished:
-                self.strategy.release(out)
+                self._strategy_of(out).release(out)
                 released[transfer_id] = out.record
                 del self._transfers[transfer_id]
         return released
@@ -339,7 +363,7 @@ class KVSender:
             return
         src = out.block_ids[lo:hi]
         dst = out.dst_blocks[lo - out.first : hi - out.first]
-        failure = self.strategy.post(out, layers, src, dst)
+        failure = self._strategy_of(out).post(out, layers, src, dst)
         if failure is not None:
             self._fail(out, failure)
 
@@ -348,7 +372,7 @@ class KVSender:
         asked for (the aux row filled, the first token sampled)."""
         aux_ready = out.dst_aux_row is None or out.request_finished
         if aux_ready and (not out.wants_token or out.first_token is not None):
-            failure = self.strategy.close(out, self._done_message(out))
+            failure = self._strategy_of(out).close(out, self._done_message(out))
             if failure is not None:
                 self._fail(out, failure)
             else:
@@ -429,11 +453,29 @@ class KVSender:
         for peer, message in held:
             self._dispatch(peer, message)
 
+    def _choose_direction(self, agent_name: str, transport: str) -> None:
+        """``per_peer``: the direction for this receiver from the transport that reaches it
+        (``strategy.choose``: pull for host memory over cma, else push; push when our layout
+        has aux rows, which only a WRITE carries). Bounded: names no longer loaded go first."""
+        direction = strategy.choose(transport, self.layout.memory)
+        if direction is Direction.PULL and self.aux_layers:
+            direction = Direction.PUSH
+        if len(self._peer_direction) >= 4096 and agent_name not in self._peer_direction:
+            loaded = set(self.agent.peer_names()) | self._agents_in_use()
+            self._peer_direction = {
+                name: d for name, d in self._peer_direction.items() if name in loaded
+            }
+        if self._peer_direction.get(agent_name) is not direction:
+            logger.info("receiver %s: %s over %s", agent_name, direction.value, transport)
+        self._peer_direction[agent_name] = direction
+
     def _check_peer_transport(self, hello: messages.Hello) -> None:
         """A receiver on another host: say once per receiver what will not work with it (a
         UCX_TLS without a network transport) or is the same-host choice (a pull chosen for
         ``cma``; the direction is per process; ``strategy.transport_to``)."""
         transport = strategy.transport_to(hello.host)
+        if self._per_peer:
+            self._choose_direction(hello.agent_name, transport)
         if transport == "cma" or hello.agent_name in self._warned_hosts:
             return
         if len(self._warned_hosts) < 4096:  # bounded: a peer may send many names
@@ -443,7 +485,7 @@ class KVSender:
             logger.warning(
                 "receiver %s is on another host: %s (docs/deployment.md)", hello.agent_name, problem
             )
-        if self.direction is Direction.PULL:
+        if self.direction_of(hello.agent_name) is Direction.PULL:
             logger.warning(
                 "receiver %s is on another host (reached over %s) but this sender pulls, "
                 "the direction for same-host cma; set direction=push for cross-host "
@@ -501,7 +543,7 @@ class KVSender:
         out.first = reg.token_offset // self.block_size
         out.sent_upto = out.first
         out.record.deadline = None
-        self.strategy.registered(out)
+        self._strategy_of(out).registered(out)
         if not out.dst_blocks and out.dst_aux_row is None:
             self._complete(out, "receiver needs no blocks")
             return
@@ -547,7 +589,7 @@ class KVSender:
 
     def _on_pulled(self, peer: PeerRef, pulled: messages.Pulled) -> None:
         out = self._transfers.get(pulled.transfer_id)
-        if out is None or out.peer != peer or not self.strategy.pulled(out):
+        if out is None or out.peer != peer or not self._strategy_of(out).pulled(out):
             logger.warning("sender: PULLED for %s from %s ignored", pulled.transfer_id, peer)
             return
         self._complete(out)

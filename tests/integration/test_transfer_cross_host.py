@@ -31,12 +31,19 @@ def events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("EVENT ")]
 
 
-def transfer(p_prefix: list[str], d_prefix: list[str], p_addr: str, port: int, env: dict):
+def transfer(
+    p_prefix: list[str],
+    d_prefix: list[str],
+    p_addr: str,
+    port: int,
+    env: dict,
+    p_env: dict | None = None,
+):
     """Run P and D to the end; answer (P's end event, D's report, P's log, D's log)."""
     env = {**os.environ, **env}
     sender = subprocess.Popen(
         [*p_prefix, sys.executable, SCRIPT, "stream", str(port), KEY],
-        env={**env, "SENDER_HOST": p_addr},
+        env={**env, **(p_env or {}), "SENDER_HOST": p_addr},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -159,3 +166,39 @@ def test_unknown_backend_is_refused_with_the_plugins_found():
         KVAgent(
             "nope-probe", kv_layout_from_tensors(cache, 4, 16), backends=[NixlBackend(name="NOPE")]
         )
+
+
+def test_auto_direction_pushes_to_another_host_and_pulls_on_the_same_one(bed):
+    """``direction: auto`` per receiver, from the host identity in its HELLO: P's own UCX_TLS
+    allows cma (its default is pull, the same-host choice), yet it pushes to D on another host;
+    beside it on one host (UCX_TLS unset: cma), P pulls."""
+    env = {
+        "DIRECTION": "auto",
+        "SPLITSERVE_LOG": "INFO",
+        "UCX_PROTO_INFO": "y",
+        **bed["d"].ucx_env(),
+    }
+    p_end, d_report, p_log, _ = transfer(
+        bed["p"].argv([]),
+        bed["d"].argv([]),
+        bed["p"].address,
+        7802,
+        env,
+        p_env={"UCX_TLS": "tcp,cma"},
+    )
+    assert d_report["bytes_ok"], d_report
+    assert p_end["stats"]["writes_posted"] > 0 and d_report["reads_posted"] == 0
+    assert ": push over tcp" in p_log
+    # (Which UCX transport carried it is UCX's choice from P's UCX_TLS: with cma allowed on P
+    # alone, UCX still writes into D's namespace by cma; hence Host.ucx_env on every host.)
+
+    p_end, d_report, p_log, _ = transfer(
+        ["env", "-u", "UCX_TLS"],
+        ["env", "-u", "UCX_TLS"],
+        "127.0.0.1",
+        free_port(),
+        {"DIRECTION": "auto", "SPLITSERVE_LOG": "INFO"},
+    )
+    assert d_report["bytes_ok"], d_report
+    assert d_report["reads_posted"] > 0 and p_end["stats"]["writes_posted"] == 0
+    assert ": pull over cma" in p_log

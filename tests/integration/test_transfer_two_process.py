@@ -63,8 +63,16 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
     agent = make_agent(f"P-{os.getpid()}", cache)
     channel = SideChannel(os.environ.get("SENDER_HOST", "127.0.0.1"), port, key)
     lease_s = float(os.environ.get("LEASE_S", "30"))
-    direction = Direction(os.environ.get("DIRECTION", "push"))
-    sender = KVSender(agent, channel, lease_s=lease_s, direction=direction)
+    setting = os.environ.get("DIRECTION", "push")
+    if setting == "auto":  # as the connector does: the default from UCX_TLS, then per receiver
+        from splitserve.transfer import strategy
+
+        direction = strategy.choose(strategy.transport_of(), agent.layout.memory)
+    else:
+        direction = Direction(setting)
+    sender = KVSender(
+        agent, channel, lease_s=lease_s, direction=direction, per_peer=setting == "auto"
+    )
     tid, num_tokens = "tid-1", 70  # 5 blocks of 16; the last one partly filled
     p_blocks = [3, 0, 7, 5, 11]
     released: set[str] = set()

@@ -121,7 +121,7 @@ def admission(in_use=frozenset(), *, idle_s=100.0, max_admitted=4096):
     peers = PeerAdmission(
         agent,
         channel,
-        lambda: messages.HelloAck(agent_name="P"),
+        lambda _name: messages.HelloAck(agent_name="P"),
         lambda: refused.append(1),
         clock=clock,
         in_use=lambda: in_use,

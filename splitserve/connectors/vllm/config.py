@@ -64,7 +64,8 @@ class SplitserveConnectorConfig(BaseModel):
     direction: Literal["auto", "push", "pull"] = Field(
         "auto",
         description="who copies the KV when this server is P: push (P WRITEs), pull (P "
-        "ANNOUNCEs, D READs) or auto (pull on host memory over UCX cma, else push)",
+        "ANNOUNCEs, D READs) or auto (per receiver: pull on host memory over UCX cma, i.e. "
+        "a receiver on this host, else push)",
     )
     ucx_backend_params: dict[str, str] = Field(
         default_factory=dict, description="extra UCX backend init parameters for NIXL"

@@ -141,7 +141,11 @@ class SplitserveWorker:
             self.config.side_channel_host, self.config.side_channel_port, key, name="splitserve-sc"
         )
         self.sender = KVSender(
-            self.agent, self.channel, lease_s=self.config.lease_s, direction=direction
+            self.agent,
+            self.channel,
+            lease_s=self.config.lease_s,
+            direction=direction,
+            per_peer=self.config.direction == "auto",  # a receiver on another host: push
         )
         self.receiver = KVReceiver(
             self.agent,
