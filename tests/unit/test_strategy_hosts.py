@@ -70,3 +70,36 @@ def test_connector_settings_name_backends():
     assert BackendSettings.from_env(env).nixl_backends[0].name == "LIBFABRIC"
     with pytest.raises(BackendSettingsError, match="NIXL_BACKENDS: not JSON"):
         BackendSettings.from_env({"SPLITSERVE_SGLANG_NIXL_BACKENDS": "[oops"})
+
+
+def test_auto_sender_chooses_per_receiver_from_its_host():
+    """Unit test of our own logic with the fake agent and channel (tests/unit/fakes.py): a
+    sender whose default is pull (cma) answers a receiver on another host with push, one on
+    its own host (or one that does not say) with pull."""
+    from fakes import FakeAgent, FakeChannel
+    from transfer_steps import LAYOUT, PEER
+
+    from splitserve.transfer.sender import KVSender
+    from splitserve.transfer.side_channel import Inbound
+
+    pull, push = strategy.Direction.PULL, strategy.Direction.PUSH
+    for host, expected in ((strategy.host_identity(), pull), ("elsewhere/1", push), (None, pull)):
+        agent, channel = FakeAgent(LAYOUT), FakeChannel()
+        sender = KVSender(agent, channel, lease_s=5, direction=pull, per_peer=True)
+        hello = messages.Hello(
+            agent_name="D", agent_metadata=b"m", layout=LAYOUT.model_dump(), host=host
+        )
+        channel.inbox.append(Inbound(PEER, hello))
+        sender.poll()
+        (ack,) = [m for _, m in channel.sent if isinstance(m, messages.HelloAck)]
+        assert ack.direction == ("pull" if expected is pull else None), host  # None: push
+        assert sender.direction_of("D") is expected
+    # Set explicitly (not auto), the direction holds for every receiver.
+    agent, channel = FakeAgent(LAYOUT), FakeChannel()
+    sender = KVSender(agent, channel, lease_s=5, direction=pull)
+    hello = messages.Hello(
+        agent_name="D", agent_metadata=b"m", layout=LAYOUT.model_dump(), host="elsewhere/1"
+    )
+    channel.inbox.append(Inbound(PEER, hello))
+    sender.poll()
+    assert sender.direction_of("D") is pull
