@@ -23,7 +23,8 @@ Invariants:
   is cancelled first, the retry has a new transfer id, and the KV P may hold under the old one
   is freed by D's ABORT or P's lease).
 - ``PeerWatch``: while one leg's request is opened in the handler's task, the other leg runs as
-  a task with the watch as its done-callback; the other leg's failure interrupts this one's wait
+  a task with the watch as its done-callback, or (first-token flow) is a response already
+  written with the watch as its ``on_fail``; the other leg's failure interrupts this one's wait
   at once (``PeerFailed``) without a task or a wait of its own.
 """
 
@@ -82,8 +83,9 @@ class PeerFailed(Exception):
 
 
 class PeerWatch:
-    """A done-callback on the other leg's task while this leg's request is opened in the
-    handler's task (``UpstreamClient.post``'s ``on_response`` is ``attach``).
+    """A done-callback on the other leg's task (or the ``on_fail`` of its response) while this
+    leg's request is opened in the handler's task (``UpstreamClient.post``'s ``on_response`` is
+    ``attach``).
 
     The other leg failing fails this leg's wait at once (``UpstreamResponse.interrupt``), as
     awaiting both would, without a task of its own; the other leg succeeding records when
