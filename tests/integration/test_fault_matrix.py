@@ -147,7 +147,11 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
     model = build_model(resolve_spec("tiny", **FAULT_MODEL), tmp_path_factory.mktemp("fault"))
     running = Fleet(servers.group)
     extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "512"]
-    layout = {"fm-p1": ("pull", 0), "fm-p2": ("push", 1), "fm-d": ("auto", 1)}
+    # One core each for p1 and D; p2 (the other pair's P, idle most of the time) is not pinned:
+    # pinned beside D, the two engines' OpenMP threads shared one core and p2's side channel
+    # missed its 5 s handshake and heartbeat bounds (docs/connector-protocol.md).
+    layout = {"fm-p1": ("pull", 0), "fm-p2": ("push", None), "fm-d": ("auto", 1)}
+    unpinned = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     try:
         for key, side in zip(KEYS, free_ports(len(KEYS)), strict=True):
             direction, core = layout[key]
@@ -159,6 +163,7 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
                 kv_transfer_config=_kv_config(side, direction),
                 extra_args=extra,
                 cpu_core=core,
+                env=unpinned if core is None else None,
             )
         running.wait()
         yield running
