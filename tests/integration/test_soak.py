@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ SOAK_MINUTES = os.environ.get("SPLITSERVE_SOAK_MINUTES", "1.5")
 def _soak_module():
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
