@@ -16,7 +16,8 @@ itself confirms, over the connection already admitted, that the new one is its o
 a replayed HELLO on an attacker's connection gets no confirmation and is refused. While a
 confirmation is pending, what the new connection sends (its first REGISTER, pipelined behind
 the HELLO) waits here, in order, bounded. When the admitted connection is gone (a send to it
-finds no such peer: ``lost``), its binding is dropped and a connection waiting on it is bound.
+finds no such peer) its binding stays: the receiver reconnects with the same routing id;
+an idle binding is pruned, and a connection waiting on a pruned one is bound.
 
 Pruning (docs/security.md): P cannot see a receiver's connection close (ZMQ's ROUTER reports
 no per-peer disconnect), so an admission goes when its connection has been idle: no HELLO or
@@ -220,7 +221,7 @@ class PeerAdmission:
                 self._last_used[inbound] = now
             elif now - self._last_used.get(inbound, now) >= self.idle_s:
                 peer = PeerRef(inbound=inbound)
-                out += self.lost(peer)
+                out += self._drop(peer)
                 # Gone already: the send reports it (``lost`` again, a no-op). Still there (a
                 # receiver that keeps connections longer): it says HELLO again on its next load.
                 reason = f"hello: admission expired after {self.idle_s:g} s unused"
@@ -252,9 +253,19 @@ class PeerAdmission:
                 logger.warning("could not unload peer agent %s: %s", name, exc)
 
     def lost(self, peer: PeerRef) -> Held:
-        """``peer``'s connection is gone (a send found no such peer): drop its binding. A
-        connection that was waiting for the gone one's confirmation is bound now (nothing
-        competes for the agent any more); returns what it sent meanwhile, to handle."""
+        """A reply to ``peer``'s connection found no such peer. That happens to a live
+        receiver too, between its reconnections (it keeps its routing id, so it comes back as
+        itself): its binding stays (an idle one is pruned, ``prune``), and a connection that
+        waits for its confirmation keeps waiting until its deadline (binding it now would let a
+        replayed HELLO in whenever the agent's connection blinks). Only a confirmation that
+        this connection itself was waiting for is dropped."""
+        self._pending.pop(peer.inbound or b"", None)
+        return []
+
+    def _drop(self, peer: PeerRef) -> Held:
+        """Forget ``peer``'s connection (pruned): drop its binding. A connection that was
+        waiting for the dropped one's confirmation is bound now (nothing competes for the
+        agent any more); returns what it sent meanwhile, to handle."""
         inbound = peer.inbound or b""
         self._pending.pop(inbound, None)
         self._last_used.pop(inbound, None)

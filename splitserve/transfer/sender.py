@@ -517,6 +517,10 @@ class KVSender:
         agent_name = self.peers.agent_of(peer)
         if agent_name is None or agent_name != reg.agent_name:
             self._refuse(peer, transfer_id, "registration before a valid HELLO")
+            # The receiver believes it was admitted (e.g. its binding was pruned): a refused
+            # HELLO makes it say HELLO again on its next load instead of failing every one.
+            reason = "hello: no valid HELLO on this connection; say HELLO again"
+            self.channel.send(peer, messages.Abort(transfer_id="*", reason=reason))
             return
         if transfer_id in self._tombstones:
             self._refuse(peer, transfer_id, "transfer cancelled on the prefill side")

@@ -141,7 +141,7 @@ def _replayed(layout, answer: bool | None):
 def test_a_hello_replayed_on_another_connection_is_refused_and_its_register_too() -> None:
     sender, channel, d1, mallory = _replayed(_test_layout(), answer=False)
     to_mallory = [m for peer, m in channel.sent if peer == mallory]
-    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort"]
+    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort", "Abort"]
     assert "did not confirm" in to_mallory[0].reason and "HELLO" in to_mallory[1].reason
     assert [type(m).__name__ for peer, m in channel.sent if peer == d1] == ["HelloAck", "Confirm"]
     assert sender.registration_of("x") is None
@@ -150,7 +150,7 @@ def test_a_hello_replayed_on_another_connection_is_refused_and_its_register_too(
 def test_a_replayed_hello_that_nobody_confirms_is_refused_within_the_timeout() -> None:
     sender, channel, _, mallory = _replayed(_test_layout(), answer=None)
     to_mallory = [m for peer, m in channel.sent if peer == mallory]
-    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort"]
+    assert [type(m).__name__ for m in to_mallory] == ["Abort", "Abort", "Abort"]
     assert sender.registration_of("x") is None
 
 
@@ -162,20 +162,35 @@ def test_a_second_connection_the_agent_confirms_is_served_with_what_it_sent_mean
     assert sender.registration_of("x") is not None, "the held REGISTER was handled"
 
 
-def test_when_the_admitted_connection_is_gone_the_waiting_one_is_bound() -> None:
+def test_a_blink_of_the_admitted_connection_neither_unbinds_it_nor_admits_the_waiting_one() -> None:
+    """A reply that finds the agent's connection down (between its reconnections, with the same
+    routing id) keeps its binding, and the connection waiting for its confirmation is refused
+    at its deadline, not bound on the blink (that would let a replayed HELLO in)."""
     from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef
 
     sender, agent, channel, layout = _hello_sender()
-    old, new = PeerRef(inbound=D1), PeerRef(inbound=b"ss:d1-after-restart-of-its-route")
+    old, new = PeerRef(inbound=D1), PeerRef(inbound=b"ss:claims-to-be-d1")
     channel.inbox.append(Inbound(old, _hello("D1", layout)))
     channel.inbox.append(Inbound(new, _hello("D1", layout)))
     channel.inbox.append(Inbound(new, _steal()))
     sender.poll()
     channel.inbox.append(PeerLost(old, "connection gone"))  # the Confirm found no such peer
+    for _ in range(8):
+        sender.poll()
+    assert [type(m).__name__ for peer, m in channel.sent if peer == new][0] == "Abort"
+    assert sender.peers.agent_of(new) is None and sender.peers.agent_of(old) == "D1"
+    assert sender.registration_of("x") is None
+
+
+def test_a_register_on_an_unbound_connection_makes_the_receiver_say_hello_again() -> None:
+    from splitserve.transfer.side_channel import Inbound, PeerRef
+
+    sender, agent, channel, layout = _hello_sender()
+    channel.inbox.append(Inbound(PeerRef(inbound=D1), _steal()))
     sender.poll()
-    assert [type(m).__name__ for peer, m in channel.sent if peer == new] == ["HelloAck"]
-    assert sender.peers.agent_of(new) == "D1" and sender.peers.agent_of(old) is None
-    assert sender.registration_of("x") is not None
+    aborts = [(m.transfer_id, m.reason) for _, m in channel.sent if isinstance(m, messages.Abort)]
+    assert aborts[0][0] == "x" and "before a valid HELLO" in aborts[0][1]
+    assert aborts[1][0] == "*" and "say HELLO again" in aborts[1][1]
 
 
 def test_a_connection_may_not_switch_agents() -> None:
