@@ -124,29 +124,3 @@ class CudaStream:
 
 def make_stream(torch: Any, device: str) -> HostStream | CudaStream:
     return CudaStream(torch) if device == "cuda" else HostStream()
-
-
-def wall_timer(torch: Any, device: str) -> Callable[[Callable[[], object], int], list[float]]:
-    """Seconds per call of ``fn``, ``runs`` times: CUDA events on the GPU, the clock on the CPU."""
-
-    def cpu(fn: Callable[[], object], runs: int) -> list[float]:
-        out = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-        return out
-
-    def cuda(fn: Callable[[], object], runs: int) -> list[float]:
-        out = []
-        for _ in range(runs):
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(begin.elapsed_time(end) / 1e3)
-        return out
-
-    return cuda if device == "cuda" else cpu

@@ -23,8 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuproof.device import wall_timer
-
 RUNS = 3
 
 
@@ -71,13 +69,13 @@ def time_steps(model_name: str, points: list[StepPoint], device: str) -> dict[st
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from splitserve.planner.calibrate import layer_shape, measure_copy_bandwidth
+    from splitserve.planner.calibrate import layer_shape, measure_copy_bandwidth, wall_timer
     from splitserve.planner.catalog import get_model
 
     model = get_model(model_name)
     shape, notes = layer_shape(model)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    timer = wall_timer(torch, device)
+    timer = wall_timer(device)
     torch.manual_seed(0)
     h, hd, heads, kv_heads = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
     q_dim, kv_dim = heads * hd, kv_heads * hd

@@ -112,7 +112,9 @@ class LayerTiming:
     notes: list[str] = field(default_factory=list)
 
 
-def _timer(device: str) -> Callable[[Callable[[], object], int], list[float]]:
+def wall_timer(device: str) -> Callable[[Callable[[], object], int], list[float]]:
+    """Seconds per call of ``fn``, ``runs`` times: CUDA events on the GPU, the clock on the CPU
+    (also ``benchmarks/gpu_proof.py``'s step timings)."""
     import torch
 
     def cpu(fn: Callable[[], object], runs: int) -> list[float]:
@@ -165,7 +167,7 @@ def measure_copy_bandwidth(device: str, nbytes: int | None = None) -> float:
     nbytes = nbytes or ((128 << 20) if device == "cpu" else (2 << 30))
     src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    timer = _timer(device)
+    timer = wall_timer(device)
     timer(lambda: dst.copy_(src), 1)
     return 2 * nbytes / statistics.median(timer(lambda: dst.copy_(src), 5))
 
@@ -190,7 +192,7 @@ def time_layer(
     device = _resolve_device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     elem = 2 if device == "cuda" else 4
-    timer = _timer(device)
+    timer = wall_timer(device)
     torch.manual_seed(0)
     probe = _probe_flops(device, dtype, timer)
     scale = 1

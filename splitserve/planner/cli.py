@@ -57,26 +57,36 @@ class _OneLineErrors(click.Command):
             raise click.ClickException(e.format_message()) from None
 
 
+def model_options(command):
+    """``--model``, ``--kv-dtype`` and ``--weight-dtype`` as ``plan`` and ``simulate`` take them."""
+    options = [
+        click.option(
+            "--model",
+            "model_name",
+            required=True,
+            metavar="NAME|CONFIG",
+            help=f"Catalog model ({', '.join(MODELS)}) or a Hugging Face config.json path.",
+        ),
+        click.option(
+            "--kv-dtype",
+            default="bf16",
+            show_default=True,
+            type=click.Choice(sorted(KV_DTYPE_BYTES), case_sensitive=False),
+        ),
+        click.option(
+            "--weight-dtype",
+            default="bf16",
+            show_default=True,
+            type=click.Choice(sorted(WEIGHT_DTYPE_BYTES), case_sensitive=False),
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.command(cls=_OneLineErrors)
-@click.option(
-    "--model",
-    "model_name",
-    required=True,
-    metavar="NAME|CONFIG",
-    help=f"Catalog model ({', '.join(MODELS)}) or a Hugging Face config.json path.",
-)
-@click.option(
-    "--kv-dtype",
-    default="bf16",
-    show_default=True,
-    type=click.Choice(sorted(KV_DTYPE_BYTES), case_sensitive=False),
-)
-@click.option(
-    "--weight-dtype",
-    default="bf16",
-    show_default=True,
-    type=click.Choice(sorted(WEIGHT_DTYPE_BYTES), case_sensitive=False),
-)
+@model_options
 @click.option(
     "--gpu",
     default="H100",

@@ -23,7 +23,6 @@ from splitserve.planner.calibration_file import load_calibration
 from splitserve.planner.catalog import (
     ACCELERATORS,
     LINKS,
-    MODELS,
     Accelerator,
     PlannerInputError,
     custom_link,
@@ -31,8 +30,7 @@ from splitserve.planner.catalog import (
     get_link,
     get_model,
 )
-from splitserve.planner.cli import WEIGHT_DTYPE_BYTES, _OneLineErrors, parse_prices
-from splitserve.planner.kv import KV_DTYPE_BYTES
+from splitserve.planner.cli import WEIGHT_DTYPE_BYTES, _OneLineErrors, model_options, parse_prices
 from splitserve.planner.sim.fleet import (
     Fleet,
     LinkSpec,
@@ -63,25 +61,7 @@ def _floats(option: str, text: str) -> list[float]:
 
 
 @click.command(cls=_OneLineErrors)
-@click.option(
-    "--model",
-    "model_name",
-    required=True,
-    metavar="NAME|CONFIG",
-    help=f"Catalog model ({', '.join(MODELS)}) or a config.json path.",
-)
-@click.option(
-    "--kv-dtype",
-    default="bf16",
-    show_default=True,
-    type=click.Choice(sorted(KV_DTYPE_BYTES), case_sensitive=False),
-)
-@click.option(
-    "--weight-dtype",
-    default="bf16",
-    show_default=True,
-    type=click.Choice(sorted(WEIGHT_DTYPE_BYTES), case_sensitive=False),
-)
+@model_options
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--output-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--ttft-ms", type=_POSITIVE, default=2000.0, show_default=True)
