@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import trustme
 
-from splitserve.proxy.http import client as upstream
+from splitserve.proxy.http import connection as upstream_connection
 from splitserve.proxy.http.client import UpstreamClient, UpstreamConnectError, UpstreamDisconnected
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -184,7 +184,7 @@ async def test_stale_idle_connection_is_detected_before_writing(client) -> None:
 
 
 async def test_a_connection_idle_too_long_is_not_reused(client, monkeypatch) -> None:
-    monkeypatch.setattr(upstream, "_MAX_IDLE_S", 0.0)
+    monkeypatch.setattr(upstream_connection, "_MAX_IDLE_S", 0.0)
     async with scripted(keep_alive_echo) as s:
         for _ in range(2):
             resp = await client.post(s.origin, "/x", b"{}")
@@ -399,7 +399,7 @@ async def test_error_status_and_body_are_returned(client) -> None:
 async def test_connection_pooled_after_a_big_unread_body_still_reads(client, monkeypatch) -> None:
     # The whole body arrives in one read that also crosses the high-water mark: reading pauses
     # on a complete answer. Released unread, the connection must not go back paused.
-    monkeypatch.setattr(upstream, "_HIGH_WATER", 1000)
+    monkeypatch.setattr(upstream_connection, "_HIGH_WATER", 1000)
     big = b"x" * 4000
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
