@@ -7,8 +7,9 @@ proxy's policies and hash ring, the prefill budget from the scheduler's ``Budget
 Modules, one job each:
 
 - ``workload``: request classes, SLOs, arrivals (Poisson, bursty) and trace files;
-- ``fleet``: pools, hardware per pool, engine settings, routing, link, prices;
+- ``fleet``: pools (their roles), hardware per pool, engine settings, routing, link, prices;
 - ``steptime``: the roofline step time, reduced to a few coefficients;
+- ``request``: one request's record (``Req``), shared by the servers and the event loop;
 - ``server``: one engine's scheduler (continuous batching, chunked prefill, KV, preemption);
 - ``engine``: the event loop, routing, handoffs;
 - ``decider``: the per-request disaggregation rule's interface;

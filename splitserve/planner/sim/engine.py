@@ -37,9 +37,10 @@ from splitserve.planner.handoff import exposed_streaming_seconds, transfer_secon
 from splitserve.planner.pools import MEMORY_UTILISATION
 from splitserve.planner.roofline import weight_bytes_total
 from splitserve.planner.sim.decider import ProxyDecider
-from splitserve.planner.sim.fleet import Fleet, PoolSpec
+from splitserve.planner.sim.fleet import COLOCATED, DECODE, PREFILL, Fleet, PoolSpec
 from splitserve.planner.sim.metrics import Recorder, RunResult, summarize_class
-from splitserve.planner.sim.server import COLOCATED, DECODE, PREFILL, Req, Server
+from splitserve.planner.sim.request import Req
+from splitserve.planner.sim.server import Server
 from splitserve.planner.sim.steptime import StepTimer
 from splitserve.planner.sim.workload import Requests, Workload
 from splitserve.proxy.decide import DecisionSettings

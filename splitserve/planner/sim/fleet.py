@@ -19,6 +19,9 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The roles of a pool (``PoolSpec.role``), as the simulator's engine and servers compare them.
+PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+
 GPU_PRICES: dict[str, float] = {
     "A100": 1.30,  # Mercatus May 2026, specialty tier $1.10-1.50 (middle)
     "H100": 3.00,  # Mercatus May 2026, specialty tier $2.50-3.50 (middle)

@@ -21,6 +21,10 @@ it joined at, so a step costs O(1 + prompts in it + requests finishing) whatever
 KV is counted in tokens (block rounding left out). A prompt's shared head, when this server
 holds it (an LRU of ``prefix_cache_entries`` heads), is not recomputed.
 
+The request record a server schedules (``Req``) is in ``request.py``, shared with the event loop
+(``engine.py``); the pool roles (``PREFILL``, ...) are in ``fleet.py``. This module is only the
+scheduler of one engine.
+
 Invariants (tests/unit/test_sim_engine.py): ``kv_used`` never exceeds ``kv_cap``; between
 steps ``kv_used`` equals the decodes' contexts plus the prompts' computed tokens plus the KV
 held for handoffs (``held_tokens``).
@@ -34,7 +38,9 @@ from heapq import heappush
 from math import log10
 from typing import TYPE_CHECKING, Any
 
+from splitserve.planner.sim.fleet import PREFILL
 from splitserve.planner.sim.metrics import BINS_PER_DECADE, MIN_GAP_S, NBINS
+from splitserve.planner.sim.request import Req
 from splitserve.schedulers.policy import BudgetPolicy, PendingPrefill, StepState
 from splitserve.schedulers.step_model import StepFeatures
 
@@ -42,65 +48,7 @@ if TYPE_CHECKING:
     from splitserve.planner.sim.engine import Simulation
     from splitserve.planner.sim.steptime import StepTimer
 
-PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
 _PROMPTS_SHOWN_TO_POLICY = 8
-
-
-class Req:
-    """One request's state across the fleet (one record, one phase at a time)."""
-
-    __slots__ = (
-        "rid",
-        "cls",
-        "arrival",
-        "prompt",
-        "output",
-        "prefix",
-        "prefix_len",
-        "target",
-        "computed",
-        "generated",
-        "first_t",
-        "last_t",
-        "admit",
-        "ctx0",
-        "step0",
-        "gen0",
-        "gap_from",
-        "max_gap",
-        "pserver",
-        "dserver",
-        "ready",
-        "prefill_start",
-        "held",
-    )
-
-    def __init__(
-        self, rid: int, cls: int, arrival: float, prompt: int, output: int, prefix: int, plen: int
-    ) -> None:
-        self.rid = rid
-        self.cls = cls
-        self.arrival = arrival
-        self.prompt = prompt
-        self.output = output
-        self.prefix = prefix
-        self.prefix_len = plen
-        self.target = prompt  # tokens to compute before the next token can be sampled
-        self.computed = 0
-        self.generated = 0
-        self.first_t = -1.0
-        self.last_t = -1.0
-        self.admit = 0
-        self.ctx0 = 0
-        self.step0 = 0
-        self.gen0 = 0
-        self.gap_from = 0
-        self.max_gap = 0.0
-        self.pserver: Server | None = None
-        self.dserver: Server | None = None
-        self.ready = False  # on D: its KV has arrived, it only decodes
-        self.prefill_start = -1.0
-        self.held = 0  # KV tokens P keeps until the handoff lands
 
 
 class Server:
