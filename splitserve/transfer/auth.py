@@ -164,13 +164,16 @@ class PeerLog:
         self._last: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
-    def warn(self, peer: str, kind: str, msg: str, *args) -> None:
+    def warn(self, peer: str, kind: str, msg: str, *args) -> bool:
+        """Log ``msg`` as a warning unless this (peer, kind) was logged within the minute;
+        True when it was logged now."""
         now = time.monotonic()
         with self._lock:
             last = self._last.get((peer, kind))
             if last is not None and now - last < self._every_s:
-                return
+                return False
             if len(self._last) >= self._cap:
                 self._last.clear()
             self._last[(peer, kind)] = now
         self._logger.warning(msg, *args)
+        return True

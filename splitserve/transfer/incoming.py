@@ -39,6 +39,7 @@ class ReceiverStats:
     post_seconds: float = 0.0  # pull: seconds inside READ posts (over cma: the copy, on D)
     completed_on_first_token: int = 0  # pull: completed on P's FIRST_TOKEN, not its DONE
     reads_cancelled: int = 0  # pull: READs of an ended load cancelled past their deadline
+    registered_again: int = 0  # REGISTERs sent again after P refused the connection's HELLO
     handoffs_s: list[float] = field(default_factory=list)
 
 
@@ -67,6 +68,16 @@ class Incoming:
     reads_deadline: float | None = None  # an ended load's READs are cancelled past this
     read_pairs: set[tuple[int, int]] = field(default_factory=set)  # pull: (layer, block) read
     early_token: messages.FirstToken | None = None  # pull: P's engine's token, before DONE
+    register: messages.Register | None = None  # what we sent P (sent again after a refusal)
+    hello_count: int = 0  # our HELLOs to P before that REGISTER (which HELLO it followed)
+    registered_again: bool = False  # sent again once after a HELLO refusal; never twice
+
+    @property
+    def started(self) -> bool:
+        """P has shown it serves this registration (an ANNOUNCE, a READ, DONE, a token)."""
+        return bool(self.reads or self.read_pairs) or not (
+            self.ready is None and self.final is None and self.early_token is None
+        )
 
 
 def done_problem(inc: Incoming, done: messages.Done) -> str | None:

@@ -162,6 +162,12 @@ class Done(_Message):
     )
 
 
+# An ABORT whose reason starts with this is about the connection's HELLO, not the transfer: P
+# has no valid HELLO on that connection (restarted, pruned it, or refused it). The receiver says
+# HELLO again and registers the transfer again, once per transfer (``receiver``).
+HELLO_REFUSAL = "hello: "
+
+
 class Abort(_Message):
     """Stop a transfer. From D: the request is gone, stop writing. From P: the transfer failed
     (reason says why), D must not wait for DONE."""

@@ -73,6 +73,7 @@ class KVReceiver:
         self.stats = ReceiverStats()
         self._transfers: dict[str, Incoming] = {}
         self._hello_sent: set[PeerRef] = set()
+        self._hellos: dict[PeerRef, int] = {}  # HELLOs said to each P (bounded by the Ps)
         self._sender_agents: dict[PeerRef, str] = {}
         self._settled: dict[str, Outcome] = {}
         self._pull = PullReceiving(
@@ -108,6 +109,7 @@ class KVReceiver:
                 host=strategy.host_identity(),
             )
             self.channel.send(peer, hello)
+            self._hellos[peer] = self._hellos.get(peer, 0) + 1
         return peer
 
     def expect(
@@ -134,20 +136,24 @@ class KVReceiver:
             layout.validate_block_ids([aux_row], "local aux row", layout.num_kv_layers)
         peer = self._peer(host, port)
         record = Transfer(transfer_id, S.REGISTERED, deadline=self.clock() + self.done_timeout_s)
+        register = messages.Register(
+            transfer_id=transfer_id,
+            agent_name=self.agent.name,
+            block_ids=[list(block_ids)],
+            token_offset=token_offset,
+            first_token=True if first_token else None,
+            aux_row=aux_row,
+        )
         self._transfers[transfer_id] = Incoming(
-            record, peer, len(block_ids), first_token, dst_blocks=frozenset(block_ids)
-        )
-        self.channel.send(
+            record,
             peer,
-            messages.Register(
-                transfer_id=transfer_id,
-                agent_name=self.agent.name,
-                block_ids=[list(block_ids)],
-                token_offset=token_offset,
-                first_token=True if first_token else None,
-                aux_row=aux_row,
-            ),
+            len(block_ids),
+            first_token,
+            dst_blocks=frozenset(block_ids),
+            register=register,
+            hello_count=self._hellos[peer],
         )
+        self.channel.send(peer, register)
 
     def release_remote(self, transfer_id: str, host: str, port: int) -> None:
         """We need none of P's blocks (e.g. a full local prefix hit): let P free them now."""
@@ -338,7 +344,12 @@ class KVReceiver:
 
     def _on_abort(self, peer: PeerRef, message: messages.Abort | messages.AbortAck) -> None:
         transfer_id = message.transfer_id
-        if transfer_id == "*" and isinstance(message, messages.Abort):  # P refused our HELLO
+        if isinstance(message, messages.Abort) and message.reason.startswith(
+            messages.HELLO_REFUSAL
+        ):
+            self._on_hello_refusal(peer, message)
+            return
+        if transfer_id == "*" and isinstance(message, messages.Abort):  # P refused us
             self._hello_sent.discard(peer)  # the next load to this P says HELLO again
             for inc in list(self._transfers.values()):
                 if inc.peer == peer and inc.outcome is None:
@@ -351,3 +362,42 @@ class KVReceiver:
             self._settle(inc, inc.outcome)
         elif isinstance(message, messages.Abort):
             self._fail(inc, f"prefill side aborted: {message.reason}")
+
+    def _on_hello_refusal(self, peer: PeerRef, refusal: messages.Abort) -> None:
+        """P has no valid HELLO on our connection (it restarted, pruned our admission, or
+        refused our HELLO): say HELLO again and register again, once per transfer. For one
+        transfer (its REGISTER came before any HELLO P holds), or ``*``: every transfer to
+        that P it has not started serving (one it serves keeps going: the refusal is older)."""
+        if refusal.transfer_id == "*":
+            self._hello_sent.discard(peer)
+            for inc in list(self._transfers.values()):
+                if inc.peer == peer and not inc.started:
+                    self._register_again(inc, refusal.reason)
+            return
+        inc = self._transfers.get(refusal.transfer_id)
+        if inc is None or inc.peer != peer:
+            return
+        if inc.hello_count == self._hellos.get(peer):  # no HELLO said since that REGISTER
+            self._hello_sent.discard(peer)
+        self._register_again(inc, refusal.reason)
+
+    def _register_again(self, inc: Incoming, reason: str) -> None:
+        """HELLO (unless said since the refusal) and the same REGISTER again; a transfer
+        refused a second time, or already being served, fails."""
+        if inc.outcome is not None or inc.record.state is not S.REGISTERED:
+            return
+        if inc.registered_again or inc.register is None or inc.started:
+            self._fail(inc, f"prefill side refused: {reason}")
+            return
+        assert inc.peer.host is not None and inc.peer.port is not None
+        inc.registered_again = True
+        self.stats.registered_again += 1
+        peer = self._peer(inc.peer.host, inc.peer.port)
+        inc.hello_count = self._hellos[peer]
+        logger.info(
+            "transfer %s: %s refused its registration (%s): HELLO and REGISTER again",
+            inc.record.transfer_id,
+            peer,
+            reason,
+        )
+        self.channel.send(peer, inc.register)

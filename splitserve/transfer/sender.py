@@ -516,23 +516,27 @@ class KVSender:
         transfer_id = reg.transfer_id
         agent_name = self.peers.agent_of(peer)
         if agent_name is None or agent_name != reg.agent_name:
-            self._refuse(peer, transfer_id, "registration before a valid HELLO")
-            # The receiver believes it was admitted (e.g. its binding was pruned): a refused
-            # HELLO makes it say HELLO again on its next load instead of failing every one.
-            reason = "hello: no valid HELLO on this connection; say HELLO again"
-            self.channel.send(peer, messages.Abort(transfer_id="*", reason=reason))
+            # The receiver believes it was admitted (we restarted, or pruned its binding): it
+            # says HELLO again and registers this transfer again (``messages.HELLO_REFUSAL``).
+            reason = "no valid HELLO on this connection; say HELLO again"
+            self._refuse(peer, transfer_id, messages.HELLO_REFUSAL + reason)
             return
         if transfer_id in self._tombstones:
             self._refuse(peer, transfer_id, "transfer cancelled on the prefill side")
             return
         out = self._transfers.get(transfer_id)
         if out is None:
-            if transfer_id in self._orphans:
+            orphan = self._orphans.get(transfer_id)
+            if orphan is not None and orphan.peer == peer and orphan.message == reg:
+                return  # the same registration again (D's retry after a HELLO refusal)
+            if orphan is not None:
                 self._refuse(peer, transfer_id, "duplicate registration")
                 return
             self._orphans[transfer_id] = _Orphan(peer, reg, self.clock() + self.lease_s)
             return
         if out.record.state is not S.AWAITING_REGISTRATION:
+            if out.peer == peer and out.registration == reg:
+                return  # the same registration again (D's retry after a HELLO refusal)
             self._refuse(peer, transfer_id, f"registration in state {out.record.state.value}")
             return
         problem = registration_problem(

@@ -40,7 +40,8 @@ Invariants:
 - No send blocks the I/O thread: a DEALER whose peer stopped reading fills its bounded queue,
   then the channel drops that connection and reports ``PeerLost`` (its transfers fail) instead
   of stalling every other peer.
-- A DEALER that cannot connect within ``connect_timeout_s``, whose heartbeats go unanswered for
+- A DEALER that cannot connect within ``connect_timeout_s`` (and, once connected, complete its
+  handshake within another ``connect_timeout_s``), whose heartbeats go unanswered for
   ``liveness_timeout_s`` (a silent partition), or that sat unused for ``idle_close_s`` is closed
   with its monitor and reported as ``PeerLost``; the next ``send`` to that address reconnects.
 - The I/O thread is supervised: an unexpected exception in one round is logged and the loop goes
@@ -112,7 +113,7 @@ class _Dealer:
     peer: PeerRef
     sock: zmq.Socket
     monitor: zmq.Socket
-    opened: float
+    opened: float  # when created, or when its TCP connection was made (the handshake's window)
     last_used: float
     handshaken: bool = False
 
@@ -286,7 +287,10 @@ class SideChannel:
             if self._curve is not None:
                 self._curve.apply_client(sock)
             monitor = sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+                zmq.EVENT_CONNECTED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | _HANDSHAKE_FAILED
             )
             sock.connect(f"tcp://{host}:{port}")
             now = time.monotonic()
@@ -302,8 +306,10 @@ class SideChannel:
         dealer.sock.close(0)
         kind = reason.split(":")[0]
         self.stats.dropped_peers[kind] = self.stats.dropped_peers.get(kind, 0) + 1
-        if log:
-            self._peer_log.warn(str(dealer.peer), kind, "side channel: %s: %s", dealer.peer, reason)
+        if log and not self._peer_log.warn(
+            str(dealer.peer), kind, "side channel: %s: %s", dealer.peer, reason
+        ):  # a peer we dial (not a stranger): every loss stays in the log, at INFO once warned
+            logger.info("side channel: %s: %s", dealer.peer, reason)
         self._inbox_connected.append(PeerLost(dealer.peer, reason))
 
     # -- I/O thread --------------------------------------------------------------------------
@@ -422,7 +428,13 @@ class SideChannel:
             except zmq.Again:
                 return
             kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if kind == zmq.EVENT_CONNECTED and not dealer.handshaken:
+                # The peer answered (a P that just started on its port): its handshake gets a
+                # window of its own, so a connection made near the end of the first one is not
+                # dropped as unreachable while the handshake (messages already queued behind
+                # it, delivered once it completes) is still under way.
+                dealer.opened = time.monotonic()
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 dealer.handshaken = True
             elif kind & _HANDSHAKE_FAILED:
                 self.stats.refused_handshakes += 1

@@ -240,3 +240,64 @@ def test_receiver_ignores_first_token_for_a_transfer_that_did_not_ask_or_another
     settled = receiver.poll()
     assert settled["t"].ok and settled["t"].first_token is None
     assert settled["u"].ok and settled["u"].first_token == 2
+
+
+def _refusal(transfer_id: str) -> Inbound:
+    reason = messages.HELLO_REFUSAL + "no valid HELLO on this connection; say HELLO again"
+    return Inbound(P_ADDR, messages.Abort(transfer_id=transfer_id, reason=reason))
+
+
+def test_a_register_refused_for_its_hello_is_said_again_once_after_a_new_hello():
+    """P restarted (or pruned us): our REGISTER found no HELLO there. D says HELLO again and
+    the same REGISTER, and the load goes on; refused a second time, it fails."""
+    receiver, agent, channel = make_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4, 5], 0)
+    (register,) = sent_of(channel, messages.Register)
+    channel.sent.clear()
+    channel.inbox.append(_refusal("t"))
+    assert receiver.poll() == {}, "not failed: registered again"
+    assert [type(m).__name__ for _, m in channel.sent] == ["Hello", "Register"]
+    assert sent_of(channel, messages.Register) == [register]
+    assert receiver.stats.registered_again == 1
+    channel.sent.clear()
+    channel.inbox.append(_refusal("t"))
+    settled = receiver.poll()
+    assert not settled["t"].ok and "say HELLO again" in settled["t"].reason
+    assert channel.sent == [], "never a third time"
+
+
+def test_refusals_of_registers_sent_before_one_hello_say_hello_once():
+    """Two REGISTERs behind one refused HELLO: the first refusal says HELLO again, the second
+    (its REGISTER came before that new HELLO) only registers again."""
+    receiver, agent, channel = make_receiver()
+    receiver.expect("a", "127.0.0.1", 1, [4], 0)
+    receiver.expect("b", "127.0.0.1", 1, [5], 0)
+    channel.sent.clear()
+    channel.inbox += [_refusal("a"), _refusal("b")]
+    assert receiver.poll() == {}
+    kinds = [(type(m).__name__, getattr(m, "transfer_id", None)) for _, m in channel.sent]
+    assert kinds == [("Hello", None), ("Register", "a"), ("Register", "b")]
+
+
+def test_a_hello_refusal_for_every_transfer_spares_those_p_already_serves():
+    """``*``: P holds no HELLO of ours. Transfers it has not started serving register again;
+    one it serves (an ANNOUNCE came: the refusal is older than its registration) goes on."""
+    receiver, agent, channel, ack = pull_receiver()
+    receiver.expect("a", "127.0.0.1", 1, [4], 0)
+    receiver.expect("b", "127.0.0.1", 1, [5], 0)
+    channel.inbox.append(Inbound(P_ADDR, ack))
+    announce(channel, "b", [0], [1], [5])
+    receiver.poll()
+    channel.sent.clear()
+    channel.inbox.append(_refusal("*"))
+    assert receiver.poll() == {}, "neither failed"
+    registered = [m.transfer_id for m in sent_of(channel, messages.Register)]
+    assert registered == ["a"] and len(sent_of(channel, messages.Hello)) == 1
+
+
+def test_an_abort_star_that_is_no_hello_refusal_still_fails_every_load():
+    receiver, agent, channel = make_receiver()
+    receiver.expect("t", "127.0.0.1", 1, [4], 0)
+    channel.inbox.append(Inbound(P_ADDR, messages.Abort(transfer_id="*", reason="shutting down")))
+    settled = receiver.poll()
+    assert not settled["t"].ok and "shutting down" in settled["t"].reason

@@ -544,3 +544,23 @@ def test_a_pushing_sender_ignores_pulled():
     sender.poll()
     assert sender.state_of("t") is TransferState.FLUSHING
     assert sender.stats.transfers_completed == 0
+
+
+def test_the_same_registration_again_is_ignored_and_another_is_refused():
+    """D registers a transfer again after a HELLO refusal that may be older than the accepted
+    registration: the identical REGISTER changes nothing; a different one is refused."""
+    sender, agent, channel = make_sender()
+    sender.add_request("t", 40)
+    register(channel, "t", [4, 5])
+    sender.poll()
+    register(channel, "u", [6])  # an orphan (no such request yet), then the same again
+    register(channel, "u", [6])
+    register(channel, "t", [4, 5])
+    sender.poll()
+    assert sent_of(channel, messages.Abort) == []
+    assert sender.registration_of("t") is not None
+    register(channel, "t", [7, 8])
+    register(channel, "u", [9])
+    sender.poll()
+    refused = {(m.transfer_id, m.reason) for m in sent_of(channel, messages.Abort)}
+    assert refused == {("t", "registration in state streaming"), ("u", "duplicate registration")}
