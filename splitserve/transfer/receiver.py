@@ -97,7 +97,9 @@ class KVReceiver:
             ready=self._progress_load,
         )
 
-    def _peer(self, host: str, port: int) -> PeerRef:
+    def _peer(self, host: str, port: int, catch_up: bool = True) -> PeerRef:
+        if catch_up:  # (not while handling events: they stay in order)
+            self._catch_up()
         peer = PeerRef(host=host, port=int(port))
         if peer not in self._hello_sent:
             self._hello_sent.add(peer)
@@ -180,17 +182,7 @@ class KVReceiver:
         self._hold_until_ack(inc, Outcome(False, f"aborted: {reason}"))
 
     def poll(self) -> dict[str, Outcome]:
-        events = self.channel.receive_connected()
-        # Notifications first, and a few extra progress rounds when a peer is gone: a P that
-        # wrote DONE and then exited must not read as "lost" because its FIN came first.
-        rounds = 3 if any(isinstance(event, PeerLost) for event in events) else 1
-        for _ in range(rounds):
-            self._push.receive()
-        for event in events:
-            if isinstance(event, PeerLost):
-                self._on_peer_lost(event.peer)
-            elif isinstance(event, Inbound):
-                self._on_message(event.peer, event.message)
+        self._handle_events(self.channel.receive_connected())
         now = self.clock()
         for inc in list(self._transfers.values()):
             if inc.reads or inc.final is not None or inc.ready is not None:
@@ -213,6 +205,27 @@ class KVReceiver:
 
     def pending(self) -> int:
         return len(self._transfers)
+
+    def _handle_events(self, events: list[Inbound | PeerLost]) -> None:
+        # Notifications first, and a few extra progress rounds when a peer is gone: a P that
+        # wrote DONE and then exited must not read as "lost" because its FIN came first.
+        rounds = 3 if any(isinstance(event, PeerLost) for event in events) else 1
+        for _ in range(rounds):
+            self._push.receive()
+        for event in events:
+            if isinstance(event, PeerLost):
+                self._on_peer_lost(event.peer)
+            elif isinstance(event, Inbound):
+                self._on_message(event.peer, event.message)
+
+    def _catch_up(self) -> None:
+        """Handle what the channel reported since the last poll before contacting a P: an
+        engine idle for a while polls nothing, and a loss reported meanwhile (P restarted)
+        must not be taken for the loss of the connection the next REGISTER goes out on (it
+        would fail that load, and it would have been sent without a HELLO)."""
+        events = self.channel.receive_connected()
+        if events:
+            self._handle_events(events)
 
     # -- the load's end ----------------------------------------------------------------------
 
@@ -392,7 +405,7 @@ class KVReceiver:
         assert inc.peer.host is not None and inc.peer.port is not None
         inc.registered_again = True
         self.stats.registered_again += 1
-        peer = self._peer(inc.peer.host, inc.peer.port)
+        peer = self._peer(inc.peer.host, inc.peer.port, catch_up=False)
         inc.hello_count = self._hellos[peer]
         logger.info(
             "transfer %s: %s refused its registration (%s): HELLO and REGISTER again",

@@ -21,13 +21,16 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -44,7 +47,12 @@ ZONE = "test"
 SRV_NAME = f"_http._tcp.decode.{ZONE}"
 PROMPTS = [f"the {w} fox jumps over the lazy dog number {i}" for i, w in
            enumerate(["quick", "slow", "red", "tired", "small", "old"])]  # fmt: skip
-LONG_TOKENS = 1500  # a stream that outlives the removal (ignore_eos: it runs to its length)
+# The drained stream (ignore_eos: it runs to its length). Its client stops reading after the
+# first chunk until the drain has been checked, so the proxy holds it in flight however fast the
+# engine is: its bytes (top-5 logprobs in every chunk, several hundred KB) are many times what
+# the socket buffers between proxy and client hold (the client's receive buffer is pinned small).
+LONG_TOKENS = 1900
+LONG_LOGPROBS = 5
 
 
 def _dnsmasq() -> str:
@@ -174,6 +182,10 @@ class ProxyProcess:
     def decode_servers(self) -> list[str]:
         return sorted(s["url"] for s in self.ready()["decode"]["servers"])
 
+    def in_flight(self) -> dict[str, int]:
+        """Requests the proxy has in flight on each listed decode server."""
+        return {s["url"]: s["in_flight"] for s in self.ready()["decode"]["servers"]}
+
     def metrics(self) -> str:
         return fetch_metrics(self.url)
 
@@ -210,16 +222,29 @@ def complete(url: str, prompt: str, max_tokens: int = 8, **extra) -> str:
     return out.choices[0].text
 
 
-def stream(url: str, prompt: str, started: concurrent.futures.Future) -> str:
+def stream(
+    url: str, prompt: str, started: concurrent.futures.Future, release: threading.Event
+) -> str:
+    """A long greedy stream whose reader stops after the first text until ``release`` is set:
+    until then the proxy cannot finish relaying it (backpressure), so it stays in flight."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": LONG_TOKENS, "temperature": 0,
+            "stream": True, "ignore_eos": True, "logprobs": LONG_LOGPROBS}  # fmt: skip
+    small = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
     parts = []
-    for chunk in client(url).completions.create(
-        model="tiny", prompt=prompt, max_tokens=LONG_TOKENS, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
-    ):  # fmt: skip
-        if chunk.choices and chunk.choices[0].text:
-            parts.append(chunk.choices[0].text)
-            if not started.done():
-                started.set_result(True)
+    with (
+        httpx.Client(transport=httpx.HTTPTransport(socket_options=small), timeout=600) as http,
+        http.stream("POST", url + "/v1/completions", json=body) as answer,
+    ):
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[len("data: ") :]).get("choices") or []
+            if choices and choices[0].get("text"):
+                parts.append(choices[0]["text"])
+                if not started.done():
+                    started.set_result(True)
+                    assert release.wait(600), "the test never released the stream"
     return "".join(parts)
 
 
@@ -239,10 +264,10 @@ def served(d_url: str, text: str | None = None) -> float:
     return metric_sum(text or fetch_metrics(d_url), "vllm:request_success_total")
 
 
-def load(text: str) -> float:
-    """Requests D holds (running, or waiting for their KV)."""
-    return metric_sum(text, "vllm:num_requests_running") + metric_sum(
-        text, "vllm:num_requests_waiting"
+def draining(proxy: ProxyProcess) -> float:
+    """Decode servers the proxy is draining (unlisted, a request still in flight)."""
+    return metric_sum(
+        proxy.metrics(), "splitserve_proxy_pool_servers", pool="decode", state="draining"
     )
 
 
@@ -271,35 +296,40 @@ def _scenario(proxy: ProxyProcess, p_url: str, d1: str, d2: str, list_decode) ->
     print(f"D2 admitted {waited:.1f} s after it was listed (TTL {TTL_S:g} s)")
 
     # The D carrying a long stream is unlisted: the stream completes there, nothing new goes
-    # to it, and it leaves the pool.
+    # to it, and it leaves the pool once the stream is done.
     long_prompt = "a long story about the quick brown fox"
     long_ref = reference(p_url, long_prompt, LONG_TOKENS)
+    base = {d: served(d) for d in (d1, d2)}
+    release = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started: concurrent.futures.Future = concurrent.futures.Future()
-        running = pool.submit(stream, proxy.url, long_prompt, started)
-        started.result(timeout=300)
-        busy: dict[str, float] = {}
+        running = pool.submit(stream, proxy.url, long_prompt, started, release)
+        try:
+            started.result(timeout=300)
+            holding: dict[str, int] = {}
 
-        def one_busy() -> bool:
-            busy.update({d: load(fetch_metrics(d)) for d in (d1, d2)})
-            return sorted(busy.values()) == [0, 1]
+            def one_holds() -> bool:
+                holding.update(proxy.in_flight())
+                return sorted(holding.values()) == [0, 1]
 
-        wait_for(one_busy, 30, f"the stream held by exactly one D: {busy}")
-        gone = max(busy, key=busy.get)
-        kept = d2 if gone == d1 else d1
-        list_decode([kept])
-        wait_for(lambda: proxy.decode_servers() == [kept], 3 * TTL_S + 2.0, "unlisted D out")
-        text_then = fetch_metrics(gone)
-        assert load(text_then) == 1, "the stream ended before the drain began: raise LONG_TOKENS"
-        assert changes(proxy, "removed") == 0, "dropped while its stream runs"
-        for prompt in PROMPTS[:3]:
-            assert complete(proxy.url, prompt) == refs[prompt], "while draining"
+            wait_for(one_holds, 30, f"the stream in flight on exactly one D: {holding}")
+            gone = max(holding, key=holding.get)
+            kept = d2 if gone == d1 else d1
+            list_decode([kept])
+            wait_for(lambda: proxy.decode_servers() == [kept], 3 * TTL_S + 2.0, "unlisted D out")
+            assert draining(proxy) == 1, "the unlisted D drains while its stream is in flight"
+            assert changes(proxy, "removed") == 0, "dropped while its stream runs"
+            for prompt in PROMPTS[:3]:
+                assert complete(proxy.url, prompt) == refs[prompt], "while draining"
+        finally:
+            release.set()
         text = running.result(timeout=600)
     assert text == long_ref, "the drained stream's greedy text equals colocated"
-    base = served(gone, text_then)
-    wait_for(lambda: served(gone) >= base + 1, 10, "the stream counted on its D")
-    assert served(gone) == base + 1, "only its stream ended there since the drain began"
     wait_for(lambda: changes(proxy, "removed") == 1, 10, "the drained D leaves the pool")
+    wait_for(lambda: served(kept) >= base[kept] + 3, 10, "the three requests counted on kept")
+    wait_for(lambda: served(gone) >= base[gone] + 1, 10, "the stream counted on its D")
+    assert served(gone) == base[gone] + 1, "only its stream ran there since it began"
+    assert served(kept) == base[kept] + 3, "every request while draining went to the kept D"
 
 
 def _proxy_config(p_url: str, p_side: int, discovery: dict) -> dict:

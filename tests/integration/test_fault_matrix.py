@@ -436,6 +436,25 @@ def test_single_p_killed_then_restarted_on_its_ports_under_a_live_d(fleet):
     kv_free(fleet)
 
 
+def test_p_restarted_while_d_idles_serves_every_next_request(fleet):
+    """P served D, then was killed and restarted on its ports while D's engine sat idle (so D
+    polled nothing: the old connection's loss waited in its channel). Every next request is
+    the colocated answer: D handles that loss before it registers, says HELLO to the new P,
+    and a connection P answers late (busy starting) is not dropped mid-handshake."""
+    fleet.wait()
+    refs = [colocated(fleet, text_prompt(200, 61 + i)) for i in range(4)]
+    with proxy(fleet, ["fm-p1"]) as running:
+        first = send(running.url, body_for(text_prompt(200, 61)))
+        assert first.text == refs[0], f"{first}\n{hints(fleet)}"
+        fleet.kill("fm-p1")
+        fleet.restart("fm-p1")
+        fleet.wait("fm-p1")
+        backend = running.state.prefill.backends[0]
+        wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
+        answers = [send(running.url, body_for(text_prompt(200, 61 + i))) for i in range(4)]
+    assert [a.text for a in answers] == refs, f"{answers}\n{hints(fleet)}"
+
+
 def test_d_killed_mid_transfer_push_and_pull(fleet):
     """D SIGKILLed while two P compute for it, one pulling (``fm-p1``: P announces, D reads)
     and one pushing (``fm-p2``: P writes into D): each client gets a clean error within the

@@ -301,3 +301,17 @@ def test_an_abort_star_that_is_no_hello_refusal_still_fails_every_load():
     channel.inbox.append(Inbound(P_ADDR, messages.Abort(transfer_id="*", reason="shutting down")))
     settled = receiver.poll()
     assert not settled["t"].ok and "shutting down" in settled["t"].reason
+
+
+def test_a_loss_reported_while_idle_is_handled_before_the_next_registration():
+    """P restarted while D's engine was idle (no poll): the old connection's loss waits in the
+    channel. The next load must say HELLO (the new P knows none) and must not fail because of
+    that older loss."""
+    receiver, agent, channel = make_receiver()
+    receiver.expect("old", "127.0.0.1", 1, [4], 0)
+    channel.inbox.append(PeerLost(P_ADDR))  # reported, not yet polled
+    channel.sent.clear()
+    receiver.expect("new", "127.0.0.1", 1, [5], 0)
+    assert [type(m).__name__ for _, m in channel.sent] == ["Hello", "Register"]
+    settled = receiver.poll()
+    assert set(settled) == {"old"} and "lost connection" in settled["old"].reason
