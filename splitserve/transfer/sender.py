@@ -27,10 +27,13 @@ engine knows the token only once the step that completed the prompt has sampled 
 carries it to D.
 
 How a layer's blocks reach D is the direction's strategy (strategy.py), chosen once per
-sender: ``send_push.PushSending`` posts WRITEs and rides DONE on a final WRITE;
-``send_pull.PullSending`` ANNOUNCEs the blocks on the side channel for D to READ, sends DONE
-after the last ANNOUNCE and waits for D's PULLED. Everything else (block arithmetic, steps,
-registrations, leases, aborts, the states) is here, once, for both.
+sender or per receiver (``send_direction``): ``send_push.PushSending`` posts WRITEs and rides
+DONE on a final WRITE; ``send_pull.PullSending`` ANNOUNCEs the blocks on the side channel for
+D to READ, sends DONE after the last ANNOUNCE and waits for D's PULLED. Everything else (block
+arithmetic, steps, registrations, leases, aborts, the states) is here, once, for both: this
+module is over 500 lines because those are one state machine whose invariants (below) span
+its methods; the parts that stand alone live beside it (outgoing.py: the records and their
+checks; peering.py: admission; send_direction.py: the direction per receiver).
 
 Aux rows (layouts with ``aux_layers``, e.g. SGLang's metadata buffers): the request's row
 (``add_request(..., aux_row=)``) is written into D's row (``Register.aux_row``) by the final
@@ -59,7 +62,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from splitserve.transfer import messages, strategy
+from splitserve.transfer import messages
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.outgoing import (
@@ -72,6 +75,7 @@ from splitserve.transfer.outgoing import (
     stalled,
 )
 from splitserve.transfer.peering import Held, PeerAdmission
+from splitserve.transfer.send_direction import ReceiverDirections
 from splitserve.transfer.send_pull import PullSending
 from splitserve.transfer.send_push import PushSending
 from splitserve.transfer.side_channel import PeerLost, PeerRef, SideChannel
@@ -113,10 +117,14 @@ class KVSender:
         self.lease_s = lease_s
         self.clock = clock
         self.stats = SenderStats()
-        self._warned_hosts: set[str] = set()  # receivers told about (cross-host pull)
-        self._per_peer = per_peer
         self._strategies: dict[Direction, SendStrategy] = {}
-        self._peer_direction: dict[str, Direction] = {}  # agent -> told in its HELLO_ACK
+        self.directions = ReceiverDirections(
+            direction,
+            per_peer=per_peer,
+            memory=self.layout.memory,
+            has_aux=bool(self.aux_layers),
+            loaded=lambda: set(self.agent.peer_names()) | self._agents_in_use(),
+        )
         self.strategy: SendStrategy = self._strategy(direction)  # the default direction's
         self._transfers: dict[str, Outgoing] = {}
         self._orphans: dict[str, _Orphan] = {}
@@ -140,7 +148,7 @@ class KVSender:
 
     def direction_of(self, agent_name: str) -> Direction:
         """The direction this sender told the receiver ``agent_name`` in its HELLO_ACK."""
-        return self._peer_direction.get(agent_name, self.strategy.direction)
+        return self.directions.direction_of(agent_name)
 
     def _strategy(self, direction: Direction) -> SendStrategy:
         """The one strategy object of a direction, made when first needed."""
@@ -453,50 +461,9 @@ class KVSender:
         for peer, message in held:
             self._dispatch(peer, message)
 
-    def _choose_direction(self, agent_name: str, transport: str) -> None:
-        """``per_peer``: the direction for this receiver from the transport that reaches it
-        (``strategy.choose``: pull for host memory over cma, else push; push when our layout
-        has aux rows, which only a WRITE carries). Bounded: names no longer loaded go first."""
-        direction = strategy.choose(transport, self.layout.memory)
-        if direction is Direction.PULL and self.aux_layers:
-            direction = Direction.PUSH
-        if len(self._peer_direction) >= 4096 and agent_name not in self._peer_direction:
-            loaded = set(self.agent.peer_names()) | self._agents_in_use()
-            self._peer_direction = {
-                name: d for name, d in self._peer_direction.items() if name in loaded
-            }
-        if self._peer_direction.get(agent_name) is not direction:
-            logger.info("receiver %s: %s over %s", agent_name, direction.value, transport)
-        self._peer_direction[agent_name] = direction
-
-    def _check_peer_transport(self, hello: messages.Hello) -> None:
-        """A receiver on another host: say once per receiver what will not work with it (a
-        UCX_TLS without a network transport) or is the same-host choice (a pull chosen for
-        ``cma``; the direction is per process; ``strategy.transport_to``)."""
-        transport = strategy.transport_to(hello.host)
-        if self._per_peer:
-            self._choose_direction(hello.agent_name, transport)
-        if transport == "cma" or hello.agent_name in self._warned_hosts:
-            return
-        if len(self._warned_hosts) < 4096:  # bounded: a peer may send many names
-            self._warned_hosts.add(hello.agent_name)
-        problem = strategy.cross_host_tls_problem()
-        if problem:
-            logger.warning(
-                "receiver %s is on another host: %s (docs/deployment.md)", hello.agent_name, problem
-            )
-        if self.direction_of(hello.agent_name) is Direction.PULL:
-            logger.warning(
-                "receiver %s is on another host (reached over %s) but this sender pulls, "
-                "the direction for same-host cma; set direction=push for cross-host "
-                "deployments (docs/deployment.md)",
-                hello.agent_name,
-                transport,
-            )
-
     def _dispatch(self, peer: PeerRef, message: messages.Message) -> None:
         if isinstance(message, messages.Hello):
-            self._check_peer_transport(message)
+            self.directions.on_hello(message)
             self.peers.on_hello(peer, message)
         elif isinstance(message, messages.Confirmed):
             self._dispatch_all(self.peers.on_confirmed(peer, message))

@@ -8,6 +8,10 @@ receivers) and ``receive_connected`` (the receiver's inbox: answers from senders
 ``PeerLost``). A socket monitor on each DEALER turns the peer's disconnect (its process died,
 its heartbeats stopped, or its handshake refused our key) into a ``PeerLost`` event.
 
+Why one module of over 500 lines: ZMQ sockets are not thread-safe, so one I/O thread owns
+every socket, and the lifecycle of each (open, monitor, read, prune, drop) is that thread's; the
+message format and authentication live beside it (``messages``, ``auth``).
+
 Why ZMQ and not NIXL notifications for control: a ZMQ round trip on loopback costs tens of
 microseconds in any UCX error mode, while a NIXL notification costs milliseconds in UCX's
 ``peer`` error mode, the mode that reports a dead peer on WRITE (docs/benchmarks.md; the
