@@ -97,7 +97,9 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
     """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode`` / ``sglang-router``: P and D run
     ``--disaggregation-transfer-backend splitserve`` (registered by splitserve's SGLang plugin)
     and chunk prefill by ``SGLANG_PD_CHUNK`` tokens. Our backend registers host memory as host
-    memory and runs no NIXL progress thread, so no CPU shim and no nice level."""
+    memory and runs no NIXL progress thread, so no CPU shim and no nice level. Both run with
+    ``--enable-metrics`` (our backend's ``sglang:splitserve_*`` metrics on their ``/metrics``)
+    and ``SPLITSERVE_SGLANG_TIMELINE=1`` (its per-request timeline in their logs)."""
     pytest.importorskip("sglang")
     pytest.importorskip("sglang_router")
     from splitserve.launch.engines import sglang_router, sglang_server
@@ -111,6 +113,8 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
             served_model_name="tiny",
             transfer_backend="splitserve",
             chunked_prefill_size=SGLANG_PD_CHUNK,
+            extra_args=["--enable-metrics"],
+            env={"SPLITSERVE_SGLANG_TIMELINE": "1"},
         )
         p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
         d = sglang_server(model, d_port, mode="decode", **common)

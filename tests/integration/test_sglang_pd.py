@@ -159,3 +159,78 @@ def test_layers_are_posted_during_the_forward(fronts, servers, tiny_model):
         _, after_in_forward, after_at_step_end = overlap_totals(log)
         assert after_in_forward >= in_forward + layers, f"{what}: not posted in the forward"
         assert after_at_step_end == at_step_end, f"{what}: layers posted after the forward"
+
+
+# With --enable-metrics (the shared pair's), the backend's counters are on each server's /metrics
+# (splitserve.connectors.sglang.stats), published when a transfer settles.
+def metric(url: str, name: str) -> float:
+    """The sum over labels of one sample (0 when absent) on a server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def test_metrics_prove_the_layers_went_out_during_the_forward(fronts, sglang_pd, tiny_model):
+    """The overlap proof from P's /metrics: after a request of several chunks through the pair,
+    ``sglang:splitserve_layers_posted_in_forward_total`` rose by at least the model's layer count
+    (each counted when the ``set_kv_buffer`` hook posted a layer while the forward was still
+    running), ``layers_posted_at_step_end`` (layers the hook missed, posted after the forward)
+    did not, and D's exposed-handoff histogram and completed loads counted the request."""
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    _, proxy, _ = fronts
+    p, d = sglang_pd.prefill_url, sglang_pd.decode_url
+    prefix = "sglang:splitserve_"
+    completed = metric(p, prefix + "transfers_completed_total")
+    in_forward = metric(p, prefix + "layers_posted_in_forward_total")
+    at_step_end = metric(p, prefix + "layers_posted_at_step_end_total")
+    handoffs = metric(d, prefix + "exposed_handoff_seconds_count")
+    completion_text(proxy, prompt_of(3 * CHUNK + 5, 901))
+    end = time.monotonic() + 60
+    while metric(p, prefix + "transfers_completed_total") <= completed:
+        assert time.monotonic() < end, "P's metrics show no completed transfer"
+        time.sleep(0.2)
+    assert metric(p, prefix + "layers_posted_in_forward_total") >= in_forward + layers
+    assert metric(p, prefix + "layers_posted_at_step_end_total") == at_step_end
+    assert metric(p, prefix + "bytes_sent_total") > 0
+    assert metric(p, prefix + "transfers_failed_total") == 0
+    assert metric(d, prefix + "exposed_handoff_seconds_count") >= handoffs + 1
+    assert metric(d, prefix + "loads_completed_total") >= handoffs + 1
+
+
+def test_timeline_of_a_request_from_both_logs(fronts, servers):
+    """The per-request timeline (SPLITSERVE_SGLANG_TIMELINE=1 on the pair) joins across P's and
+    D's logs (benchmarks/sglang_timeline.py) into a row with every point, in causal order."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_timeline.py"
+    spec = importlib.util.spec_from_file_location("sglang_timeline_bench", path)
+    timeline = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = timeline
+    spec.loader.exec_module(timeline)
+    _, proxy, _ = fronts
+    logs = [servers.group.log_dir / f"sglang-pd-{side}.log" for side in ("prefill", "decode")]
+    before = set(timeline.read_logs(logs))
+    completion_text(proxy, prompt_of(3 * CHUNK + 5, 902))
+    end = time.monotonic() + 60
+    while True:
+        new = [r for room, r in timeline.read_logs(logs).items() if room not in before]
+        if new and "d_first_decode" in new[-1].events:
+            break
+        assert time.monotonic() < end, f"no complete timeline: {[r.events for r in new]}"
+        time.sleep(0.2)
+    row = new[-1].row()
+    missing = [name for name in timeline.POINTS if row[name] is None]
+    assert not missing, (missing, row)
+    assert row["chunks"] >= 4, row  # 3 * CHUNK + 5 tokens, chunked by CHUNK
+    order = ["p_request", "p_init", "fwd_first_start", "fwd_last_end", "d_done", "d_first_decode"]
+    assert [row[n] for n in order] == sorted(row[n] for n in order), row
+    assert row["d_registered"] <= row["p_registered"], row
+    assert row["failed"] == ""

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from splitserve.connectors.sglang.timeline import Timeline
 from splitserve.connectors.sglang.transport import (
     BackendSettings,
     BackendSettingsError,
@@ -161,6 +162,7 @@ def _manager():
     mgr.lock = threading.RLock()
     mgr.sender, mgr.receiver = _Sender(), None
     mgr.transfers, mgr.layers_hooked, mgr.forward_open = {}, 0, False
+    mgr.timeline, mgr.metrics, mgr.handoffs_s = Timeline(False), None, []
     mgr.kv_args = SimpleNamespace(page_size=4)
     mgr.request_status, mgr.req_to_decode_prefix_len, mgr.failures = {}, {}, {}
     mgr.update_status = mgr.request_status.__setitem__

@@ -26,9 +26,13 @@ Ids: SGLang's ``bootstrap_room`` (an int) becomes our ``transfer_id`` with ``str
 SGLang calls us; ``_room`` turns it back only to call SGLang's own bookkeeping. P's state is one
 ``_Transfer`` record per transfer id with a ``Phase``; every failure goes through ``_fail``.
 
-Stats: SGLang has no metrics hook for a backend, so P logs its sender's totals with every
-completed transfer ("splitserve: transfer ... sent (totals: ...)"), the overlap proof
-``layers_posted_in_forward`` / ``layers_posted_at_step_end`` among them.
+Stats: with SGLang's ``--enable-metrics`` the transport's counters and D's exposed handoff go to
+the server's ``/metrics`` (``splitserve.connectors.sglang.stats``), published when a transfer
+settles and at most once a second otherwise; P also logs its sender's totals with every completed
+transfer ("splitserve: transfer ... sent (totals: ...)"), the overlap proof
+``layers_posted_in_forward`` / ``layers_posted_at_step_end`` among them. With
+``SPLITSERVE_SGLANG_TIMELINE=1`` both sides log a per-request timeline
+(``splitserve.connectors.sglang.timeline``).
 
 Invariants:
 - Only full-attention KV pools (no state buffers: Mamba, SWA, ...), attention TP, CP and PP of 1
@@ -58,6 +62,8 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from splitserve.connectors.sglang import layerwise
+from splitserve.connectors.sglang.stats import open_metrics, transport_totals
+from splitserve.connectors.sglang.timeline import Timeline
 from splitserve.connectors.sglang.transport import (
     BackendSettings,
     check_supported,
@@ -72,6 +78,8 @@ from splitserve.transfer.side_channel import SideChannel
 from splitserve.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 1.0  # metrics between settled transfers (the counters of a running one)
 
 
 def _room(transfer_id: str) -> int:
@@ -115,6 +123,10 @@ class SplitserveKVManager(CommonKVManager):
         self.layer_map: dict[int, list[int]] = {}
         self.forward_open = False
         self.layers_hooked = 0  # layer stores seen by the layer-wise hook (P)
+        self.timeline = Timeline(self.settings.timeline)
+        prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        self.metrics = open_metrics(server_args, prefill=prefill)
+        self.published = 0.0  # monotonic time of the last metrics publication
         check_supported(args, server_args)
         # For P, CommonKVManager.__init__ registers with the bootstrap server: our override of
         # register_to_bootstrap opens the transport first, so the port it names is ours.
@@ -122,12 +134,16 @@ class SplitserveKVManager(CommonKVManager):
         self._open_transport()
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self._start_heartbeat_checker_thread()
+            if self.timeline.enabled:
+                layerwise.ACTIVE = self  # for D's first decode step
         elif self.settings.layerwise:
             self.layer_map = layout_layers_of_model_layers(
                 len(args.kv_data_ptrs), args.kv_layer_ids, args.prefill_start_layer or 0
             )
             layerwise.ACTIVE = self
             logger.info("splitserve: layer-wise posting on (%d model layers)", len(self.layer_map))
+        elif self.timeline.enabled:
+            layerwise.ACTIVE = self  # for the forwards' times only
 
     # -- transport ------------------------------------------------------------------------------
 
@@ -161,16 +177,33 @@ class SplitserveKVManager(CommonKVManager):
     def drive(self) -> None:
         """Read control messages and completions; conclude the transfers they settle."""
         with self.lock:
+            settled = False
             if self.sender is not None:
-                self._drive_sender()
+                settled = self._drive_sender()
             if self.receiver is not None:
-                self._drive_receiver()
+                settled = self._drive_receiver() or settled
+            self.publish_metrics(force=settled)
 
-    def _drive_sender(self) -> None:
+    def publish_metrics(self, force: bool = False) -> None:
+        """Our counters' increments and D's handoffs to SGLang's ``/metrics`` (if enabled)."""
+        if self.metrics is None:
+            self.handoffs_s.clear()
+            return
+        now = time.monotonic()
+        if not force and now - self.published < PUBLISH_INTERVAL_S:
+            return
+        self.published = now
+        totals = transport_totals(self.sender, self.receiver, self.channel)
+        self.metrics.publish(totals, self.handoffs_s)
+
+    def _drive_sender(self) -> bool:
+        """Returns whether a transfer settled."""
         assert self.sender is not None
-        for transfer_id, record in self.sender.poll_settled().items():
+        settled = self.sender.poll_settled()
+        for transfer_id, record in settled.items():
             self.transfers.pop(transfer_id, None)
             if record.state is TransferState.COMPLETED:
+                self.timeline.event(transfer_id, "p_sent")
                 stats = self.sender.stats
                 logger.info(
                     "splitserve: transfer %s sent (totals: %d transfers, %d WRITEs, %d bytes, "
@@ -186,6 +219,7 @@ class SplitserveKVManager(CommonKVManager):
                 )
                 self._set_status(transfer_id, KVPoll.Success)
             else:
+                self.timeline.event(transfer_id, "p_failed", state=record.state.value)
                 self._fail(
                     transfer_id, f"splitserve transfer {record.state.value}: {record.reason}"
                 )
@@ -209,13 +243,22 @@ class SplitserveKVManager(CommonKVManager):
                 del self.transfers[transfer_id]
                 self.req_to_decode_prefix_len[room] = reg.token_offset
                 self.update_status(room, KVPoll.WaitingForInput)
+                self.timeline.event(transfer_id, "p_registered", prefix=reg.token_offset)
+        return bool(settled)
 
-    def _drive_receiver(self) -> None:
+    def _drive_receiver(self) -> bool:
+        """Returns whether a load settled."""
         assert self.receiver is not None
-        for transfer_id, outcome in self.receiver.poll().items():
+        outcomes = self.receiver.poll()
+        for transfer_id, outcome in outcomes.items():
             if not outcome.ok:
+                self.timeline.event(transfer_id, "d_failed")
                 self._fail(transfer_id, f"splitserve: {outcome.reason}")
                 continue
+            if self.timeline.enabled:
+                handoff = outcome.exposed_handoff_s
+                self.timeline.event(transfer_id, "d_done", handoff=handoff or 0.0)
+                self.timeline.loaded(_room(transfer_id))
             if outcome.exposed_handoff_s is not None:
                 self.handoffs_s.append(outcome.exposed_handoff_s)
                 logger.info(
@@ -224,6 +267,7 @@ class SplitserveKVManager(CommonKVManager):
                     outcome.exposed_handoff_s,
                 )
             self._set_status(transfer_id, KVPoll.Success)
+        return bool(outcomes)
 
     # -- prefill side ---------------------------------------------------------------------------
 
@@ -242,6 +286,7 @@ class SplitserveKVManager(CommonKVManager):
             prefix = reg.token_offset if reg is not None else 0
         first_page = prefix // page
         num_tokens = (first_page + num_pages) * page
+        self.timeline.event(transfer_id, "p_init", pages=num_pages, prefix=prefix)
         with self.lock:
             self.transfers[transfer_id] = _Transfer(Phase.SENDING, first_page, num_tokens)
             try:
@@ -290,15 +335,30 @@ class SplitserveKVManager(CommonKVManager):
             # would close the forward's. The next ``send`` catches up on anything left.
             if is_last_chunk:
                 self.sender.finish_request(transfer_id)
+        if is_last_chunk:
+            self.timeline.event(transfer_id, "p_last_chunk")
         self._set_status(transfer_id, KVPoll.Transferring)
         return None
 
     # -- prefill side, layer-wise (splitserve.connectors.sglang.layerwise) ---------------------
 
     def begin_forward(self, scheduler, batch) -> bool:
-        """Before a prefill forward: the page tables and computed tokens of the batch's
-        requests whose transfer has started. Returns whether a step was opened."""
-        assert self.sender is not None
+        """Before a batch runs (the ``run_batch`` hook). P, prefill (extend) batch: the page
+        tables and computed tokens of the batch's requests whose transfer has started go to
+        the sender (layer-wise on). D, decode batch: its loaded requests' first decode step
+        (timeline on). Returns whether a layer-wise step was opened."""
+        if self.sender is None:
+            if self.timeline.awaiting_decode and batch.forward_mode.is_decode():
+                self.timeline.decode_batch(batch.reqs)
+            return False
+        if not batch.forward_mode.is_extend():
+            return False
+        if self.timeline.enabled:  # ours only (not SGLang's fake transfers: warm-up, health)
+            senders = [(r, getattr(r, "disagg_kv_sender", None)) for r in batch.reqs]
+            ours = [r for r, sender in senders if isinstance(sender, SplitserveKVSender)]
+            self.timeline.forward_started(ours)
+        if not self.settings.layerwise:
+            return False
         page = self.kv_args.page_size
         updates = []
         for req in batch.reqs:
@@ -331,15 +391,20 @@ class SplitserveKVManager(CommonKVManager):
         """The KV pool stored model layer ``layer_id`` for the running forward."""
         assert self.sender is not None
         self.layers_hooked += 1
+        self.timeline.last_layer_wall = time.time()
         with self.lock:
             for index in self.layer_map.get(layer_id, ()):
                 self.sender.layer_done(index)
 
-    def end_forward(self) -> None:
-        assert self.sender is not None
-        self.forward_open = False
-        with self.lock:
-            self.sender.end_step()
+    def end_forward(self, opened: bool) -> None:
+        """After the batch ``begin_forward`` saw: the layer-wise step it opened is closed."""
+        if opened:
+            assert self.sender is not None
+            self.forward_open = False
+            with self.lock:
+                self.sender.end_step()
+        if self.timeline.forward_rooms:
+            self.timeline.forward_ended(layerwise=opened)
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         """P: SGLang aborted or cleared the request; D is told, the record is gone."""
@@ -413,6 +478,7 @@ class SplitserveKVSender(_TransferIdOfRoom, CommonKVSender):
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        mgr.timeline.event(bootstrap_room, "p_request")
         if self.conclude_state is None:
             mgr.await_registration(self.transfer_id)
 
@@ -433,6 +499,15 @@ class SplitserveKVSender(_TransferIdOfRoom, CommonKVSender):
 
 class SplitserveKVReceiver(_TransferIdOfRoom, CommonKVReceiver):
     """D: one per request (see module docstring)."""
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room=None, *args, **kwargs):
+        mgr.timeline.event(bootstrap_room, "d_request")
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+
+    def init(self, prefill_dp_rank: int):
+        super().init(prefill_dp_rank)
+        if self.conclude_state != KVPoll.Failed:
+            self.kv_mgr.timeline.event(self.bootstrap_room, "d_bootstrapped")
 
     def _register_kv_args(self) -> bool:
         # HELLO (our agent metadata and layout) goes with our first REGISTER to each P.
@@ -480,6 +555,7 @@ class SplitserveKVReceiver(_TransferIdOfRoom, CommonKVReceiver):
             aux_index,
         ):
             self.init_time = time.time()
+            mgr.timeline.event(self.bootstrap_room, "d_registered", pages=len(kv_indices))
 
     def _send_abort_notification(self, *, force_arm: bool = False):
         targets = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]

@@ -3,8 +3,10 @@ stores that layer, while the forward still runs the layers above it.
 
 Runs in the scheduler process of a prefill server with ``--disaggregation-transfer-backend
 splitserve``. The plugin registers two hooks with SGLang's ``HookRegistry`` in every SGLang
-process; both do nothing unless this process's splitserve prefill manager made itself ``ACTIVE``
-(``SPLITSERVE_SGLANG_LAYERWISE`` on, the default):
+process; both do nothing unless this process's splitserve manager made itself ``ACTIVE`` (P
+with ``SPLITSERVE_SGLANG_LAYERWISE`` on, the default; either side with
+``SPLITSERVE_SGLANG_TIMELINE=1``, whose forward and first-decode times the ``run_batch`` hook
+also records, ``splitserve.connectors.sglang.timeline``):
 
 - ``Scheduler.run_batch`` (around), for prefill (extend) batches: before the forward, the batch's
   requests whose transfer has started (D registered, ``init`` done) give the sender their page
@@ -35,21 +37,21 @@ logger = logging.getLogger(__name__)
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
 
-# The prefill manager of this process when layer-wise posting is on (set by the manager).
+# This process's manager when it needs the hooks (set by it): P with layer-wise posting or the
+# timeline on, D with the timeline on (its first decode steps; see the manager's begin_forward).
 ACTIVE: Any = None
 _registered = False
 
 
 def around_run_batch(original, scheduler, batch, *args, **kwargs):
     mgr = ACTIVE
-    if mgr is None or batch is None or not batch.forward_mode.is_extend():
+    if mgr is None or batch is None:
         return original(scheduler, batch, *args, **kwargs)
     opened = mgr.begin_forward(scheduler, batch)
     try:
         return original(scheduler, batch, *args, **kwargs)
     finally:
-        if opened:
-            mgr.end_forward()
+        mgr.end_forward(opened)
 
 
 def after_set_kv_buffer(result, pool, layer, *args, **kwargs):

@@ -29,6 +29,8 @@ Settings come from the server's environment (SGLang has no per-backend config):
 - ``SPLITSERVE_SGLANG_ABORT_ACK_TIMEOUT_S`` (5): D waits this long for P's ABORT_ACK.
 - ``SPLITSERVE_SGLANG_LAYERWISE`` (1): P posts each layer's WRITE as the KV pool stores it;
   0: per chunk, after the forward.
+- ``SPLITSERVE_SGLANG_TIMELINE`` (0): 1 logs a per-request timeline at INFO
+  (``splitserve.connectors.sglang.timeline``).
 - ``SPLITSERVE_SGLANG_UCX_PARAMS`` (``{}``): extra UCX backend parameters (JSON, strings).
 """
 
@@ -73,6 +75,7 @@ class BackendSettings(BaseModel):
     done_timeout_s: float = Field(300.0, gt=0)
     abort_ack_timeout_s: float = Field(5.0, gt=0)
     layerwise: bool = True
+    timeline: bool = False
     ucx_params: dict[str, str] = Field(default_factory=dict)
     nixl_backends: list[NixlBackend] | None = None  # JSON list, in order of preference
 
