@@ -49,7 +49,12 @@ Each row is measured on NIXL's default path and, with ``--transports default tcp
 
 The summary adds, per length, TTFT relative to ``colocated`` and the gap beyond colocated's
 (one decode step), the figures the first-token flow's targets are stated in: TTFT within 2% of
-colocated, token 2 within one layer's transfer plus one decode step of token 1.
+colocated, token 2 within one layer's transfer plus one decode step of token 1. SGLang rows are
+compared within their round: each SGLang contender's requests alternate with requests to the
+``sglang-colocated`` server while that contender's pair runs beside it, and those colocated
+requests are summarized apart, as ``sglang-colocated/<contender>`` (``sglang_rounds``): a
+colocated request measured beside another pair (SGLang's ``nixl``, whose progress thread spins a
+core) is not the reference of ours.
 
 Dispatch goes through ``splitserve.proxy.dispatch`` like the proxy. Output: a JSON file, a
 markdown table on stdout and, when matplotlib is importable, a PNG next to the JSON.
@@ -142,7 +147,9 @@ def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) ->
     """The JSON (rows, summary, links, targets), the two markdown tables and the PNG."""
     import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
 
-    summary = handoff_sglang.relative_to_colocated(summarize(rows))
+    summary = relative_to_round(
+        handoff_sglang.relative_to_colocated(summarize(sglang_rounds(rows)))
+    )
     goals = targets(summary, links)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -162,6 +169,44 @@ def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) ->
     print(targets_markdown(goals))
     if plot(summary, out.with_suffix(".png")):
         print(f"plot: {out.with_suffix('.png')}")
+
+
+COLOCATED_SGLANG = "sglang-colocated"
+
+
+def sglang_rounds(rows: list[dict]) -> list[dict]:
+    """Each ``sglang-colocated`` row renamed ``sglang-colocated/<round>``, ``<round>`` the SGLang
+    contender it alternated with: the row's ``round`` if it names one, else the SGLang
+    contender of the last row before it on its transport (``handoff_sglang.run`` appends each
+    colocated request right after the contender's request it follows, so earlier runs' JSON
+    resummarizes the same way). A colocated row with no round keeps its name."""
+    out, current = [], {}
+    for row in rows:
+        contender = row["contender"]
+        if contender == COLOCATED_SGLANG:
+            round_of = row.get("round") or current.get(row["transport"])
+            if round_of:
+                row = row | {"contender": f"{COLOCATED_SGLANG}/{round_of}"}
+        elif contender.startswith("sglang-"):
+            current[row["transport"]] = contender
+        out.append(row)
+    return out
+
+
+def relative_to_round(summary: list[dict]) -> list[dict]:
+    """TTFT and gap of each SGLang contender against the colocated requests of its own round
+    (``sglang_rounds``); an entry without a round keeps what ``relative_to_colocated`` said."""
+    ref = {(e["transport"], e["length"], e["contender"]): e for e in summary}
+    for e in summary:
+        if not e["contender"].startswith("sglang-") or "/" in e["contender"]:
+            continue
+        base = ref.get((e["transport"], e["length"], f"{COLOCATED_SGLANG}/{e['contender']}"))
+        if base is None:
+            continue
+        e["ttft_vs_colocated"] = e["ttft_s"] / base["ttft_s"] - 1.0
+        if "gap_s" in e and "gap_s" in base:
+            e["gap_beyond_colocated_s"] = e["gap_s"] - base["gap_s"]
+    return summary
 
 
 def resummarize(args: argparse.Namespace) -> int:
