@@ -9,20 +9,29 @@ own count of a prompt equals the engine's ``/tokenize``.
 Shares the connector tests' pair (``ss_pair``: ss-a prefills, ss-b decodes) through an
 in-process proxy, like tests/integration/test_proxy_splitserve.py; ss-a served directly is the
 colocated reference (a ``kv_both`` server asked without transfer params serves a request whole).
+
+The last test puts the adaptive budget where it belongs, on D: a third server of the pair
+(``ss-adaptive-d``, started and stopped by this module) runs ``AdaptiveChunkScheduler`` with an
+unreachable target, and D's own ``/metrics`` show its budget at the minimum while a local
+prefill meets running decodes and at the maximum once they ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
-from metrics_text import fetch_metrics, metric_sum
+from metrics_text import fetch_metrics, metric_sum, samples
 
+from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
 
@@ -187,3 +196,246 @@ def test_aux_endpoints_answer_as_the_engine(ss_pair, deciding_proxy) -> None:
     assert status == 200 and prompt in detok["prompt"]
     assert _http(proxy + "/version") == _http(d_url + "/version")
     assert metric_sum(fetch_metrics(proxy), "splitserve_proxy_decisions_total") > 0
+
+
+# ------------------------------------------------ the adaptive budget on D, under local prefill
+
+ADAPTIVE_D = "ss-adaptive-d"
+SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+# The budget's bounds on that D: the pair's --max-num-batched-tokens, and a minimum set here.
+MIN_CHUNK, MAX_CHUNK = 128, 512
+HEAD_TOKENS, TAIL_TOKENS = 896, 640  # a follow-up: 7 of its 12 blocks held on D, the rest local
+# Short prompts decoding on D while the follow-up arrives; they are cut by their client once it
+# is served, so their length only has to outlast the follow-up's arrival, by a wide margin.
+STREAMS, STREAM_TOKENS = 3, 1800
+BUDGET = "splitserve_scheduler_prefill_budget_tokens"
+DECISIONS = "splitserve_scheduler_budget_decisions_total"
+CHOSEN = "splitserve_scheduler_prefill_budget_chosen_tokens_bucket"
+
+
+@pytest.fixture(scope="module")
+def adaptive_decode(ss_pair, servers, tiny_model, tmp_path_factory) -> Iterator[str]:
+    """A third server of the pair, a D running the adaptive scheduler as ``splitserve up``
+    deploys D, with a 1 ms ITL target: unreachable, so its budget is exactly ``MAX_CHUNK`` on a
+    step without decodes and ``MIN_CHUNK`` on a step with decodes, a fact of the workload and not
+    of timing (tests/integration/test_adaptive_scheduler.py). ``PROMETHEUS_MULTIPROC_DIR`` puts
+    the scheduler's metrics (EngineCore) on the server's own ``/metrics``. Its own server rather
+    than ss-b, so the pair's other modules keep their default scheduler; stopped when this
+    module ends."""
+    settings = {"splitserve_scheduler": {"target_itl_ms": 1.0, "min_chunk": MIN_CHUNK}}
+    server = servers.vllm(
+        ADAPTIVE_D,
+        tiny_model,
+        kv_transfer_config=ss_pair.kv_config(free_ports(1)[0]),
+        extra_args=[
+            *ss_pair.extra_args,
+            "--scheduler-cls",
+            SCHEDULER_CLS,
+            "--additional-config",
+            json.dumps(settings),
+        ],
+        # Unpinned with one OpenMP thread, as test_discovery's third server: pinned beside ss-a,
+        # the two engines share a core and P's side channel misses its handshake bounds.
+        cpu_core=None,
+        env={
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("adaptive-d-prometheus")),
+        },
+    )
+    servers.wait_all("ss-a", ADAPTIVE_D)
+    try:
+        yield server.url
+    finally:
+        stopped = servers.group.servers.pop(ADAPTIVE_D, None)
+        if stopped is not None:
+            stopped.process.stop()
+
+
+@pytest.fixture(scope="module")
+def adaptive_proxy(ss_pair, adaptive_decode, tiny_model) -> Iterator[BackgroundProxy]:
+    (p_url, p_side) = ss_pair["ss-a"]
+    config = build_config(
+        {
+            "port": 0,
+            "flow": "concurrent",
+            "prefill": [{"url": p_url, "side_channel_port": p_side}],
+            "decode": [{"url": adaptive_decode}],
+            "decide": {
+                "tokenizer": str(tiny_model),
+                "threshold_tokens": THRESHOLD,
+                "block_tokens": 128,
+                "prefix_share": 0.5,  # a follow-up whose head is over half its prompt stays on D
+            },
+        }
+    )
+    with BackgroundProxy(config) as running:
+        yield running
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(5, 1000) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    """The adaptive budget as D's ``/metrics`` shows it at one moment."""
+
+    budget: float  # chosen for the latest step
+    decisions: dict[str, float]  # steps so far, by reason
+    chosen: dict[str, float]  # budgets chosen so far, cumulative by bucket bound ("le")
+
+    def since(self, earlier: BudgetView) -> tuple[dict[str, float], dict[str, float]]:
+        """Decisions by reason and budgets chosen by bucket, between ``earlier`` and this."""
+        reasons = {r: v - earlier.decisions.get(r, 0.0) for r, v in self.decisions.items()}
+        chosen = {le: v - earlier.chosen.get(le, 0.0) for le, v in self.chosen.items()}
+        return reasons, chosen
+
+
+async def budget_view(session: aiohttp.ClientSession, url: str) -> BudgetView:
+    async with session.get(url + "/metrics") as response:
+        response.raise_for_status()
+        text = await response.text()
+    (budget,) = samples(text, BUDGET)
+    return BudgetView(
+        budget.value,
+        {s.labels["reason"]: s.value for s in samples(text, DECISIONS)},
+        {s.labels["le"]: s.value for s in samples(text, CHOSEN)},
+    )
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body["ignore_eos"] = True
+    async with session.post(url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        return (await response.json())["choices"][0]["text"]
+
+
+async def complete_ids(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body.update(ignore_eos=True, return_token_ids=True)
+    async with session.post(url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        return (await response.json())["choices"][0]["token_ids"]
+
+
+async def stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    decoding: asyncio.Event,
+    cut: asyncio.Event,
+) -> list[int]:
+    """A streamed completion's token ids; ``decoding`` is set once its first token arrived. Its
+    client disconnects once ``cut`` is set (the proxy then aborts it on D)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0}
+    body.update(ignore_eos=True, stream=True, return_token_ids=True)
+    tokens: list[int] = []
+    async with session.post(url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[len("data: ") :])["choices"]:
+                    tokens += choice.get("token_ids") or []
+                decoding.set()
+            if cut.is_set():
+                response.close()
+                break
+    return tokens
+
+
+async def wait_idle(session: aiohttp.ClientSession, url: str) -> None:
+    """Until D runs and queues no request (bounded)."""
+    for _ in range(600):
+        async with session.get(url + "/metrics") as response:
+            text = await response.text()
+        if (
+            metric_sum(text, "vllm:num_requests_running")
+            + metric_sum(text, "vllm:num_requests_waiting")
+            == 0
+        ):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError("D still has requests 120 s after its streams were cut")
+
+
+async def budget_scenario(proxy: str, d_url: str, ref_url: str) -> None:
+    heads = [token_prompt(HEAD_TOKENS, 8500 + i) for i in range(2)]
+    follow_ups = [h + token_prompt(TAIL_TOKENS, 8510 + i) for i, h in enumerate(heads)]
+    shorts = [token_prompt(32 + 4 * i, 8520 + i) for i in range(STREAMS)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        # Two earlier turns, disaggregated: D receives their KV and the proxy records it there.
+        got_heads = [await complete(session, proxy, h, 4) for h in heads]
+
+        # While decodes run: short prompts go straight to D and decode there; a follow-up whose
+        # head D holds arrives and D prefills its tail locally, chunk by chunk.
+        events, cut = [asyncio.Event() for _ in shorts], asyncio.Event()
+        streams = [
+            asyncio.create_task(stream(session, proxy, p, e, cut))
+            for p, e in zip(shorts, events, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout=300)
+        assert not any(s.done() for s in streams), "a stream ended before the follow-up came"
+        decoding = await budget_view(session, d_url)
+        got_during = await complete(session, proxy, follow_ups[0], 8)
+        after_follow_up = await budget_view(session, d_url)
+        assert not any(s.done() for s in streams), "a stream ended before the follow-up did"
+        cut.set()
+        got_streams = await asyncio.gather(*streams)
+        await wait_idle(session, d_url)
+
+        # After the decodes ended: the same kind of follow-up on a D with no decodes.
+        idle = await budget_view(session, d_url)
+        got_idle = await complete(session, proxy, follow_ups[1], 1)
+        after_idle = await budget_view(session, d_url)
+
+        want = [await complete(session, ref_url, h, 4) for h in heads]
+        want_streams = await asyncio.gather(
+            *(
+                complete_ids(session, ref_url, p, len(t))
+                for p, t in zip(shorts, got_streams, strict=True)
+            )
+        )
+        want_during = await complete(session, ref_url, follow_ups[0], 8)
+        want_idle = await complete(session, ref_url, follow_ups[1], 1)
+
+    assert got_heads == want and got_streams == want_streams
+    assert (got_during, got_idle) == (want_during, want_idle)
+
+    # Every step while the streams decoded (the follow-up's chunks included) had decodes: the
+    # budget fell to its minimum and stayed there.
+    reasons, chosen = after_follow_up.since(decoding)
+    assert after_follow_up.budget == MIN_CHUNK, after_follow_up
+    assert reasons.get("no_decodes", 0) == 0, reasons
+    assert reasons.get("min_chunk", 0) >= TAIL_TOKENS // MIN_CHUNK, reasons
+    assert chosen[f"{float(MIN_CHUNK)}"] == chosen["+Inf"] > 0, chosen
+    # With the decodes over, the next local prefill's steps got the whole budget again. (The
+    # gauge is usually back at the maximum before it: vLLM runs one empty step after the last
+    # request finished, to tell its workers, and that step has no decodes either.)
+    reasons, chosen = after_idle.since(idle)
+    assert after_idle.budget == MAX_CHUNK, after_idle
+    assert reasons.get("no_decodes", 0) >= 1 and reasons.get("min_chunk", 0) == 0, reasons
+    assert chosen[f"{float(MAX_CHUNK // 2)}"] == 0 < chosen[f"{float(MAX_CHUNK)}"], chosen
+
+
+def test_budget_on_decode_falls_while_it_decodes_and_rises_after(
+    ss_pair, adaptive_decode, adaptive_proxy
+) -> None:
+    """Issue #18: with the adaptive budget on D, a long local prefill (a follow-up whose head D
+    holds) arriving while D decodes is chunked at the minimum; once the decodes end the budget
+    is back at the maximum. Answers equal colocated (ss-a served directly)."""
+    before = counts(adaptive_proxy)
+    asyncio.run(budget_scenario(adaptive_proxy.url, adaptive_decode, ss_pair["ss-a"][0]))
+    after = counts(adaptive_proxy)
+    assert after["long"] - before["long"] == 2  # the two heads, through P
+    assert after["prefill_calls"] - before["prefill_calls"] == 2
+    assert after["short"] - before["short"] == STREAMS
+    assert after["prefix_on_decode"] - before["prefix_on_decode"] == 2  # the follow-ups, on D
+    assert after["error"] == 0
