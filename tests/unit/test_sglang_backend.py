@@ -18,6 +18,7 @@ from splitserve.connectors.sglang.transport import (
     layout_from_buffers,
     layout_layers_of_model_layers,
 )
+from splitserve.transfer.state import TransferState
 
 
 def test_layout_from_sglang_buffers():
@@ -188,7 +189,7 @@ def test_manager_keeps_one_record_per_transfer_and_ends_it_once():
     assert ("step", [(transfer_id, [0, 8, 9])]) in mgr.sender.calls
     assert ("finish", transfer_id) in mgr.sender.calls
     assert mgr.request_status[room] == poll.Transferring
-    mgr.sender.settled[transfer_id] = SimpleNamespace(state=conn.TransferState.COMPLETED)
+    mgr.sender.settled[transfer_id] = SimpleNamespace(state=TransferState.COMPLETED)
     mgr.drive()
     assert mgr.request_status[room] == poll.Success and mgr.transfers == {}
 
@@ -201,7 +202,7 @@ def test_manager_fails_through_one_path_and_forgets_the_transfer():
     assert mgr.request_status[room] == poll.Failed
     assert "chunk starts at page 1" in mgr.failures[room]
     assert ("cancel", transfer_id) in mgr.sender.calls
-    failed = SimpleNamespace(state=conn.TransferState.FAILED, reason="D lost")
+    failed = SimpleNamespace(state=TransferState.FAILED, reason="D lost")
     mgr.sender.settled[transfer_id] = failed
     mgr.drive()
     assert "D lost" in mgr.failures[room] and mgr.transfers == {}

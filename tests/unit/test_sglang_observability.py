@@ -23,6 +23,7 @@ from splitserve.connectors.sglang.stats import (
     transport_totals,
 )
 from splitserve.connectors.sglang.timeline import EVENTS, Timeline, format_event, parse_line
+from splitserve.transfer.state import TransferState
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {"model_name": "tiny", "engine_type": "prefill"}
@@ -217,7 +218,7 @@ def test_manager_publishes_when_a_transfer_settles_and_at_most_once_a_second_els
     mgr.sender.stats.transfers_completed = 1
     mgr.drive()  # within the interval, nothing settled: not published yet
     assert completed() == 0
-    settled["5"] = SimpleNamespace(state=conn.TransferState.COMPLETED)
+    settled["5"] = SimpleNamespace(state=TransferState.COMPLETED)
     mgr.drive()
     assert completed() == 1
     name = "sglang:splitserve_layers_posted_in_forward_total"

@@ -2,9 +2,10 @@
 server-side wall clocks, that ``benchmarks/sglang_timeline.py`` joins across P's and D's logs.
 
 Runs in SGLang's scheduler process of a prefill (P) or decode (D) server, called by the manager
-(``splitserve.connectors.sglang.conn``) and the run_batch hook
-(``splitserve.connectors.sglang.layerwise``). Off by default; ``SPLITSERVE_SGLANG_TIMELINE=1``
-logs each event at INFO, else nothing is formatted. Imports no SGLang (the parser imports it).
+(``splitserve.connectors.sglang.conn``, with its sides in ``.prefill`` and ``.decode``) and the
+run_batch hook (``splitserve.connectors.sglang.layerwise``). Off by default;
+``SPLITSERVE_SGLANG_TIMELINE=1`` logs each event at INFO, else nothing is formatted. Imports no
+SGLang (the parser imports it).
 
 A line reads ``splitserve-timeline room=<bootstrap_room> event=<name> wall=<unix seconds>`` and
 optional ``key=value`` fields. Events, in the order a request meets them (``EVENTS``):
