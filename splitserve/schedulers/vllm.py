@@ -104,9 +104,12 @@ class AdaptiveChunkScheduler(Scheduler):
         self.max_num_scheduled_tokens = min(
             self._startup_max_tokens, decision.prefill_budget + decode_tokens
         )
-        self._exporter.decided(decision, state.num_decodes, state.waiting_prefill_tokens)
         output = super().schedule(*args, **kwargs)
         if output.total_num_scheduled_tokens > 0:
+            # Only steps that run count as decisions: an engine loop that schedules nothing
+            # (a request waiting for its KV from P, the empty step after the last request)
+            # would read as a "no decodes" decision at the maximum and skew what D reports.
+            self._exporter.decided(decision, state.num_decodes, state.waiting_prefill_tokens)
             if len(self._in_flight) >= _MAX_IN_FLIGHT:
                 # Outputs vLLM never reported back (none are expected): forget the oldest rather
                 # than grow without bound.
