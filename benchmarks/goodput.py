@@ -108,6 +108,18 @@ def workload(rate: float, duration_s: float, seed: int = SEED) -> list[Arrival]:
         out.append(Arrival(t, "doc" if doc else "chat", prompt, rng.randint(olo, ohi)))
 
 
+def salted(arrivals: list[Arrival], k: int) -> list[Arrival]:
+    """The workload for the ``k``-th contender: the same arrivals, lengths and outputs, with the
+    first prompt token shifted by ``k``. Contenders that share servers (``pd`` and
+    ``pd-decide``) would otherwise find every prompt of the one before in the prefix cache (block
+    hashes chain from the first token, so one changed token leaves nothing to reuse)."""
+    out = []
+    for a in arrivals:
+        first = 5 + (a.prompt[0] - 5 + 199 * k) % 996
+        out.append(Arrival(a.at_s, a.kind, (first, *a.prompt[1:]), a.max_tokens))
+    return out
+
+
 @dataclass
 class Result:
     kind: str
@@ -366,6 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         current: tuple[str, ServerGroup, dict, int | None] | None = None
         for c in order:
+            mine = salted(arrivals, CONTENDERS.index(c))
             if current is None or current[0] != c.group:
                 if current is not None:
                     current[1].stop()
@@ -376,7 +389,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with BackgroundProxy(config) as proxy:
                 asyncio.run(_warm(proxy.url))
                 t0 = time.perf_counter()
-                results = asyncio.run(drive(proxy.url, arrivals))
+                results = asyncio.run(drive(proxy.url, mine))
                 wall = time.perf_counter() - t0
                 decisions = proxy.state.metrics.render().decode()
             row = {"contender": c.name, "label": c.label, "rate": rate, "wall_s": wall}
