@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.connectors.sglang.stats import (
     COUNTERS,
+    SENDER_COUNTERS,
     BackendMetrics,
     Deltas,
     transport_totals,
@@ -30,22 +31,7 @@ LABELS = {"model_name": "tiny", "engine_type": "prefill"}
 
 
 def _sender_stats(**values):
-    base = dict.fromkeys(
-        (
-            "bytes_sent",
-            "writes_posted",
-            "transfers_completed",
-            "transfers_failed",
-            "transfers_aborted",
-            "lease_expiries",
-            "registrations_received",
-            "registrations_rejected",
-            "transfers_stalled",
-            "layers_posted_in_forward",
-            "layers_posted_at_step_end",
-        ),
-        0,
-    )
+    base = dict.fromkeys(SENDER_COUNTERS, 0)
     base["post_seconds"] = 0.0
     base.update(values)
     return SimpleNamespace(**base)

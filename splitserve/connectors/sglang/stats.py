@@ -7,9 +7,10 @@ with ``--enable-metrics`` it runs ``prometheus_client`` in multiprocess mode
 ``/metrics`` reads every process's files through a ``MultiProcessCollector``). So counters and a
 histogram made here, in the scheduler, show on the server's ``/metrics`` with SGLang's own.
 
-Names are the vLLM connector's (``splitserve.connectors.vllm.stats``) with SGLang's prefix:
-``sglang:splitserve_<name>_total`` for each counter of ``COUNTERS`` (the subset a push-only,
-host-memory backend has), ``sglang:splitserve_exposed_handoff_seconds`` (D), labelled with
+Names and meanings are the shared catalogue's (``splitserve.connectors.counters``), with
+SGLang's prefix: ``sglang:splitserve_<name>_total`` for each counter of ``COUNTERS`` (the
+subset a push-only, host-memory backend has), ``sglang:splitserve_exposed_handoff_seconds``
+(D), labelled with
 ``model_name`` and ``engine_type`` (``prefill`` / ``decode``) as SGLang labels its own.
 
 Invariants: the transport's stats are cumulative totals; ``Deltas`` turns them into increments
@@ -23,36 +24,38 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from splitserve.connectors.counters import COUNTERS as ALL_COUNTERS
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "sglang:splitserve_"
 
-# Same names and meanings as splitserve.connectors.vllm.stats.COUNTERS (which imports vLLM, so
-# it cannot be imported here); the pull-mode and first-token-relay counters have no SGLang path.
+# The sender's own totals, exported under the same names.
+SENDER_COUNTERS = (
+    "bytes_sent",
+    "writes_posted",
+    "transfers_completed",
+    "transfers_failed",
+    "transfers_aborted",
+    "lease_expiries",
+    "registrations_received",
+    "registrations_rejected",
+    "transfers_stalled",
+    "layers_posted_in_forward",
+    "layers_posted_at_step_end",
+)
+# The shared catalogue's subset this backend has (no pull mode, no first-token relay).
 COUNTERS: dict[str, str] = {
-    "bytes_sent": "Bytes of KV written to decode servers",
-    "writes_posted": "NIXL WRITE transfers posted (one per layer per step, or one bulk)",
-    "transfers_completed": "Prefill-side transfers completed (DONE delivered)",
-    "transfers_failed": "Prefill-side transfers failed (WRITE error, invalid registration)",
-    "transfers_aborted": "Prefill-side transfers aborted (by the decode side or the engine)",
-    "lease_expiries": "Prefill-side requests freed because no registration came in the lease",
-    "registrations_received": "Registrations received from decode servers (any outcome)",
-    "registrations_rejected": "Registrations refused (unknown id, bad block ids, no HELLO)",
-    "messages_rejected": "Control messages and side-channel connections refused (failed "
-    "CurveZMQ handshake, bad HMAC, malformed, oversized, wrong version)",
-    "transfers_stalled": "Prefill-side transfers failed because no post completed within the "
-    "lease; their posts were cancelled",
-    "peers_dropped": "Side-channel connections this server opened and dropped: unreachable, "
-    "silent (heartbeats), key mismatch, or a peer that stopped reading",
-    "loads_completed": "Decode-side loads completed",
-    "loads_failed": "Decode-side loads failed (ABORT, timeout, prefill side lost)",
-    "done_timeouts": "Decode-side loads that saw no DONE within done_timeout_s",
-    "post_seconds": "Seconds this server spent inside its WRITE posts (over UCX cma the copy "
-    "itself runs in the post)",
-    "layers_posted_in_forward": "Layers the per-layer hook (KV pool set_kv_buffer) reported "
-    "during a prefill forward with transfers in it, posted while the forward ran (the overlap)",
-    "layers_posted_at_step_end": "Layers the per-layer hook never reported, which the end of "
-    "the forward had to post after it (zero while the hook fires)",
+    name: ALL_COUNTERS[name]
+    for name in (
+        *SENDER_COUNTERS,
+        "messages_rejected",
+        "peers_dropped",
+        "loads_completed",
+        "loads_failed",
+        "done_timeouts",
+        "post_seconds",
+    )
 }
 HANDOFF = "exposed_handoff_seconds"
 HANDOFF_DOC = (
@@ -68,19 +71,7 @@ def transport_totals(sender: Any, receiver: Any, channel: Any) -> dict[str, floa
     out: dict[str, float] = dict.fromkeys(COUNTERS, 0)
     if sender is not None:
         s = sender.stats
-        for name in (
-            "bytes_sent",
-            "writes_posted",
-            "transfers_completed",
-            "transfers_failed",
-            "transfers_aborted",
-            "lease_expiries",
-            "registrations_received",
-            "registrations_rejected",
-            "transfers_stalled",
-            "layers_posted_in_forward",
-            "layers_posted_at_step_end",
-        ):
+        for name in SENDER_COUNTERS:
             out[name] = getattr(s, name)
         out["post_seconds"] += s.post_seconds
     if receiver is not None:
