@@ -233,6 +233,9 @@ def run(
             if backend == "splitserve":  # the side channel binds the host's address: keyed
                 key = write_key_file(group.log_dir / "secrets" / "auth.key")
                 server_env["SPLITSERVE_AUTH_KEY_FILE"] = str(key)
+                # the per-request timeline (connectors/sglang/timeline.py) in both logs, for
+                # benchmarks/sglang_timeline.py: a few lines per request, none per layer
+                server_env["SPLITSERVE_SGLANG_TIMELINE"] = "1"
             common = dict(transfer_backend=backend)
             p = _server(
                 model,
@@ -260,7 +263,7 @@ def run(
                     rows.append(row | _pd(pair, _body(length, rng), log))
                     print(json.dumps(rows[-1]), flush=True)
                     if "sglang-colocated" in runs:  # the reference, interleaved
-                        row = row | {"contender": "sglang-colocated"}
+                        row = row | {"contender": "sglang-colocated", "round": name}
                         rows.append(row | runs["sglang-colocated"][0](_body(length, rng)))
                         print(json.dumps(rows[-1]), flush=True)
             for role in ("p", "d"):  # at most three servers at once
