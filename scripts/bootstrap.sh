@@ -64,6 +64,18 @@ if ! command -v tc >/dev/null 2>&1 && [ ! -x /usr/sbin/tc ]; then
         || fail "apt-get install iproute2 failed" "read apt's error above; rerun 'make env'"
 fi
 
+# nftables (`nft`): the test bed's packet loss where the kernel lacks sch_netem, and its cuts
+# between two hosts (splitserve/launch/testbed.py). Same rule: checked always, installed once.
+if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
+    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "nftables is missing" \
+        "as root: apt-get install nftables (the test bed's loss and cuts, tests/integration/test_testbed.py)"
+    echo "bootstrap: installing nftables (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q nftables >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q nftables >/dev/null; } \
+        || fail "apt-get install nftables failed" "read apt's error above; rerun 'make env'"
+fi
+
 install_spec() {
     "$PY" - <<'PYEOF'
 import json, tomllib

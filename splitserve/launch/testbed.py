@@ -20,18 +20,33 @@ beyond its next start); a named owner's are removed only by ``down`` with that n
 
 Link shaping (``LinkShape``) is applied on both directions of a host's link: on ``eth0`` in
 the host (what it sends) and on ``p<n>`` in the switch (what it receives). A rate alone uses
-``tbf``; delay, jitter or loss need ``netem`` (``sch_netem``), which some kernels lack:
-asking for them there raises ``TestbedError`` saying so. A silent cut (``cut``) sets the
-switch side of the host's veth down: frames from and to the host are dropped in the kernel,
-no FIN and no RST reach either end, and ``heal`` brings it back.
+``tbf``; delay and jitter need ``netem`` (``sch_netem``), which some kernels lack: asking for
+them there raises ``TestbedError`` saying so. Loss uses netem where the kernel has it, else
+nftables (``nft``): a ``numgen random`` drop on the *ingress* hook of both ends of the link
+(``eth0`` in the host: what it receives; ``p<n>`` in the switch: what it sends), so a lost
+frame vanishes on the wire as a real one does (a drop on a host's output hook would instead
+return EPERM to its own TCP stack, which then never counts it as sent).
 
-Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``); ``check``
-raises ``TestbedError`` with the reason when namespaces cannot be created.
+A silent cut (``cut``) sets the switch side of the host's veth down: frames from and to the
+host are dropped in the kernel, no FIN and no RST reach either end, and ``heal`` brings it
+back. ``cut(host, peer)`` cuts only the path between two hosts (an nftables drop of the
+frames between their addresses on the switch's ingress of both), each keeping its link to
+the others.
+
+A process of the caller's own (a test's HTTP client, an in-process proxy) joins a host with
+``Host.entered()``: the calling thread moves into the host's network namespace for the
+block (``setns``); threads it starts meanwhile stay there for their life.
+
+Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``), and ``nft``
+(Debian's ``nftables``; scripts/bootstrap.sh installs it) for loss without netem and for
+cuts between two hosts; ``check`` raises ``TestbedError`` with the reason when namespaces
+cannot be created.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -50,6 +65,7 @@ SUBNET = "10.213.0"  # /24; host n gets SUBNET.(n + 1); exists only inside the n
 PREFIX_LEN = 24
 _OWNER_RE = re.compile(r"^[a-z0-9]{1,16}$")
 _HOST_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+_CLONE_NEWNET = 0x40000000
 
 
 class TestbedError(RuntimeError):
@@ -68,7 +84,8 @@ class LinkShape:
     loss_pct: float = 0.0
 
     def needs_netem(self) -> bool:
-        return bool(self.delay_ms or self.jitter_ms or self.loss_pct)
+        """Delay or jitter: only netem does them (loss has an nftables fallback)."""
+        return bool(self.delay_ms or self.jitter_ms)
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -125,6 +142,47 @@ def check() -> None:
     _run(["ip", "netns", "delete", probe], check=False)
 
 
+def nft_available() -> bool:
+    """Whether the ``nft`` binary is here (the kernel side, nf_tables, is built in on ours)."""
+    return shutil.which("nft") is not None or Path("/usr/sbin/nft").exists()
+
+
+def _nft(netns: str, script: str) -> None:
+    if not nft_available():
+        raise TestbedError(
+            "loss without sch_netem and cuts between two hosts need nftables' `nft`: "
+            "as root, apt-get install nftables (scripts/bootstrap.sh does)"
+        )
+    proc = subprocess.run(
+        ["ip", "netns", "exec", netns, "nft", "-f", "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        raise TestbedError(f"nft in {netns} failed: {proc.stderr.strip()}\n{script}")
+
+
+def _ingress_table(table: str, device: str, rules: Sequence[str]) -> str:
+    """An nft script that replaces netdev table ``table`` by one ingress chain on ``device``
+    holding ``rules`` (no rules: the table is only removed)."""
+    script = f"table netdev {table} {{}}\ndelete table netdev {table}\n"
+    if rules:
+        body = "\n".join(f"    {rule}" for rule in rules)
+        script += (
+            f"table netdev {table} {{\n  chain ingress {{\n"
+            f'    type filter hook ingress device "{device}" priority 0; policy accept;\n'
+            f"{body}\n  }}\n}}\n"
+        )
+    return script
+
+
+def _loss_rule(loss_pct: float) -> str:
+    """Drop ``loss_pct`` % of frames, independently, at a resolution of 0.001 %."""
+    return f"numgen random mod 100000 < {round(loss_pct * 1000)} counter drop"
+
+
 def netem_available() -> bool:
     """Whether the kernel has ``sch_netem`` (delay, jitter, loss); probed on a dummy link."""
     probe = f"{PREFIX}{os.getpid()}-netem"
@@ -151,6 +209,30 @@ class Host:
     def argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host (``ip netns exec`` execs it: same pid, same group)."""
         return ["ip", "netns", "exec", self.netns, *argv]
+
+    @contextlib.contextmanager
+    def entered(self):
+        """Move the calling thread into this host's network namespace for the block: sockets
+        it opens meanwhile belong to the host, and so do threads it starts (for their life).
+        Back to the thread's own namespace on exit."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
+            try:
+                if libc.setns(target, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise TestbedError(f"cannot enter {self.netns}: {os.strerror(err)}")
+            finally:
+                os.close(target)
+            try:
+                yield self
+            finally:
+                if libc.setns(own, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise TestbedError(f"cannot leave {self.netns}: {os.strerror(err)}")
+        finally:
+            os.close(own)
 
     def ucx_env(self) -> dict[str, str]:
         """The UCX settings of a process on this host: tcp only. The hosts share one kernel,
@@ -212,6 +294,8 @@ class Testbed:
             for i, name in enumerate(hosts)
         }
         self._netem: bool | None = None
+        self._loss: dict[str, float] = {}  # host -> loss % done by nftables
+        self._blocked: set[frozenset[str]] = set()  # pairs of hosts cut from each other
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
@@ -270,22 +354,35 @@ class Testbed:
     def shape(self, host: str, shape: LinkShape | None) -> None:
         """Shape both directions of ``host``'s link (``None``: unshaped again)."""
         h = self.hosts[host]
+        use_netem = shape is not None and (shape.needs_netem() or self._loss_by_netem(shape))
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.switch_port)):
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
                  check=False)  # fmt: skip
-            if shape is None or (shape.rate_mbit is None and not shape.needs_netem()):
+            if shape is None or (shape.rate_mbit is None and not use_netem):
                 continue
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                  *self._qdisc(shape)])  # fmt: skip
+                  *self._qdisc(shape, use_netem)])  # fmt: skip
+        loss = shape.loss_pct if shape is not None and not use_netem else 0.0
+        if loss or self._loss.get(host):
+            self._loss[host] = loss
+            self._apply_filters(host)
 
-    def _qdisc(self, shape: LinkShape) -> list[str]:
-        if shape.needs_netem():
+    def _loss_by_netem(self, shape: LinkShape) -> bool:
+        """Loss goes to netem where the kernel has it, else to nftables."""
+        if not shape.loss_pct:
+            return False
+        if self._netem is None:
+            self._netem = netem_available()
+        return self._netem
+
+    def _qdisc(self, shape: LinkShape, use_netem: bool) -> list[str]:
+        if use_netem:
             if self._netem is None:
                 self._netem = netem_available()
             if not self._netem:
                 raise TestbedError(
-                    "delay, jitter and loss need the kernel's sch_netem (CONFIG_NET_SCH_NETEM), "
-                    "which this kernel lacks; only a rate (tbf) can be shaped here"
+                    "delay and jitter need the kernel's sch_netem (CONFIG_NET_SCH_NETEM), "
+                    "which this kernel lacks; a rate (tbf) and loss (nftables) can be shaped here"
                 )
             args = ["netem", "limit", "100000"]
             if shape.delay_ms or shape.jitter_ms:
@@ -304,15 +401,45 @@ class Testbed:
         limit = max(4 * burst, int(rate_bytes / 5))
         return ["tbf", "rate", f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
 
-    def cut(self, host: str) -> None:
-        """Cut ``host``'s link silently: frames are dropped both ways, nothing is signalled."""
+    def _apply_filters(self, host: str) -> None:
+        """Write ``host``'s nftables state: its loss on both ingress ends of its link, and the
+        drop of frames it sends to the hosts it is cut from (on the switch's ingress)."""
         h = self.hosts[host]
-        _run(["ip", "-n", self.switch, "link", "set", h.switch_port, "down"])
+        loss = self._loss.get(host, 0.0)
+        peers = sorted(
+            self.hosts[other].address
+            for pair in self._blocked
+            if host in pair
+            for other in pair - {host}
+        )
+        switch_rules = [f"ip daddr {{ {', '.join(peers)} }} drop"] if peers else []
+        if loss:
+            switch_rules.append(_loss_rule(loss))
+        _nft(self.switch, _ingress_table(f"ss_{h.switch_port}", h.switch_port, switch_rules))
+        _nft(h.netns, _ingress_table("ss_loss", "eth0", [_loss_rule(loss)] if loss else []))
 
-    def heal(self, host: str) -> None:
-        """Undo ``cut``."""
+    def cut(self, host: str, peer: str | None = None) -> None:
+        """Cut ``host``'s link silently: frames are dropped both ways, nothing is signalled.
+        With ``peer``, only the frames between the two hosts (each keeps its other paths)."""
         h = self.hosts[host]
-        _run(["ip", "-n", self.switch, "link", "set", h.switch_port, "up"])
+        if peer is None:
+            _run(["ip", "-n", self.switch, "link", "set", h.switch_port, "down"])
+            return
+        if peer == host or peer not in self.hosts:
+            raise ValueError(f"cut {host!r} from {peer!r}: another host of this bed")
+        self._blocked.add(frozenset((host, peer)))
+        self._apply_filters(host)
+        self._apply_filters(peer)
+
+    def heal(self, host: str, peer: str | None = None) -> None:
+        """Undo ``cut`` (with the same ``peer``)."""
+        h = self.hosts[host]
+        if peer is None:
+            _run(["ip", "-n", self.switch, "link", "set", h.switch_port, "up"])
+            return
+        self._blocked.discard(frozenset((host, peer)))
+        self._apply_filters(host)
+        self._apply_filters(peer)
 
     def status(self) -> list[str]:
         """One line per host: namespace, address, link state, qdisc."""

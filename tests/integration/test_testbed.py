@@ -6,6 +6,9 @@ engine. Needs root: where namespaces cannot be made, the fixture fails with the 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -117,7 +120,7 @@ def bed():
         tbmod.check()
     except TestbedError as exc:
         pytest.fail(f"the test bed cannot run here: {exc}")
-    with Testbed(["a", "b"]) as bed:
+    with Testbed(["a", "b", "c"]) as bed:
         bed.root_before = before
         yield bed
     assert not [ns for ns in tbmod.namespaces() if ns in {bed.switch, bed["a"].netns}]
@@ -211,7 +214,7 @@ def test_stale_namespaces_of_a_crashed_run_are_removed():
     left = out.stdout.split()
     assert len(left) == 2, out.stderr
     assert set(left) <= set(tbmod.namespaces())
-    with Testbed(["y"]) as bed:
+    with Testbed(["y"], owner="stalecheck") as bed:  # not the module bed's owner (its switch)
         assert not set(left) & set(tbmod.namespaces())
         assert bed["y"].netns in tbmod.namespaces()
     assert bed["y"].netns not in tbmod.namespaces()
@@ -226,3 +229,94 @@ def test_each_host_has_its_own_host_identity(bed):
 
     assert len({ids["a"], ids["b"], strategy.host_identity()}) == 3
     assert strategy.transport_to(ids["b"], {}) == "tcp"
+
+
+def udp_share(bed: Testbed, src: str, dst: str, count: int = 4000) -> float:
+    """The share of ``count`` datagrams from ``src`` that reach ``dst`` (sockets opened inside
+    the hosts with ``Host.entered``; the receiver's buffer holds them all)."""
+    with bed[dst].entered():
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        rx.setsockopt(socket.SOL_SOCKET, 33, 1 << 23)  # SO_RCVBUFFORCE (root): drop nothing
+        rx.bind((bed[dst].address, 7701))
+    try:
+        with bed[src].entered():
+            tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            for _ in range(count):
+                tx.sendto(b"x" * 64, (bed[dst].address, 7701))
+            tx.close()
+        rx.settimeout(2.0)  # the end of the burst, not a timed assertion
+        got = 0
+        with contextlib.suppress(TimeoutError):
+            while got < count:
+                rx.recv(128)
+                got += 1
+    finally:
+        rx.close()
+    return got / count
+
+
+def test_loss_drops_its_share_without_netem_and_tcp_still_delivers(bed):
+    """Loss by netem where the kernel has it, else by nftables on the ingress of both ends of
+    the link: 20 % of a's datagrams to b vanish (4000 sent: the share is 0.80 +- 0.05, more
+    than 7 standard deviations), and a TCP transfer through 5 % loss both ways arrives whole."""
+    assert udp_share(bed, "a", "b") > 0.98  # unshaped: nothing lost
+    bed.shape("a", LinkShape(loss_pct=20))
+    try:
+        share = udp_share(bed, "a", "b")
+        assert 0.75 < share < 0.85, share
+        assert udp_share(bed, "b", "a") < 0.85  # the other direction too
+    finally:
+        bed.shape("a", None)
+    assert udp_share(bed, "a", "b") > 0.98
+    bed.shape("a", LinkShape(loss_pct=5))
+    try:
+        srv, cli = connect(bed, "b", "a")
+        try:
+            srv.tell("drain 2000000 120")
+            assert cli.ask("send 2000000") == "sent"
+            assert srv.line().split()[1] == "2000000"
+            assert cli.ask("recv 0.2") == "timeout"  # nothing but what was asked came back
+        finally:
+            srv.close()
+            cli.close()
+    finally:
+        bed.shape("a", None)
+
+
+def test_cut_between_two_hosts_leaves_their_other_paths(bed):
+    """``cut(a, b)``: a and b no longer hear each other (silently: a SYN times out, no RST),
+    while each still reaches c; ``heal(a, b)`` restores the path."""
+
+    def dial(src: str, dst: str) -> str:
+        with bed[src].entered():
+            try:
+                socket.create_connection((bed[dst].address, 7702), timeout=2).close()
+                return "connected"
+            except ConnectionRefusedError:
+                return "refused"  # the host answered: nothing listens there
+            except TimeoutError:
+                return "silence"
+
+    bed.cut("a", "b")
+    try:
+        assert dial("a", "b") == "silence" and dial("b", "a") == "silence"
+        assert dial("a", "c") == "refused" and dial("b", "c") == "refused"
+    finally:
+        bed.heal("a", "b")
+    assert dial("a", "b") == "refused" and dial("b", "a") == "refused"
+
+
+def test_entered_moves_only_the_calling_thread():
+    own = os.readlink("/proc/thread-self/ns/net")
+    with Testbed(["e"], owner="entered") as bed:
+        with bed["e"].entered():
+            inside = os.readlink("/proc/thread-self/ns/net")
+            addrs = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
+        assert inside != own
+        assert (
+            bed["e"].address
+            not in subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
+        )
+    assert os.readlink("/proc/thread-self/ns/net") == own
+    # A child started from inside inherits the namespace (the thread's, not the process's).
+    assert bed["e"].address in addrs
