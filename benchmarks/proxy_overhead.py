@@ -18,8 +18,9 @@ its own process, all on those two stubs, on loopback:
 - ``sglang-router``: SGLang's Rust router (PyPI ``sglang-router``) in its PD mode (P and D at
   once with bootstrap fields), and ``splitserve-sglang`` (our proxy, ``--engine sglang``, the
   same work);
-- ``--baseline REV``: ``splitserve@REV``, our proxy as of git revision REV (sequential flow),
-  to measure a change before/after in the same run.
+- ``--baseline REV``: our proxy as of git revision REV, to measure a change before/after in the
+  same run: ``splitserve@REV`` (sequential flow) and ``<flow>@REV`` for each other of our
+  flows that runs (e.g. ``splitserve-first-token@REV``).
 
 Both Rust routers run with a policy that needs no tokenizer (``round_robin``; vllm-router's
 default ``cache_aware`` asks the prefill server to tokenize every prompt first). A router that
@@ -85,7 +86,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--proxy-workers", type=int, default=1, help="splitserve proxy --workers")
     ap.add_argument(
         "--baseline", default=None, metavar="REV",
-        help="also run splitserve as of this git revision (sequential flow): before/after",
+        help="also run splitserve as of this git revision (the sequential flow and every other "
+        "of our flows that runs): before/after",
     )  # fmt: skip
     ap.add_argument(
         "--only", nargs="+", default=None, metavar="NAME",

@@ -1,10 +1,10 @@
 """Starts the stubs and the contenders, each its own process, and stops them all.
 
 Contenders: ``direct`` (the decode stub itself), the bare floor, ``splitserve proxy`` in each
-flow (also as of an older git revision, ``--baseline``), and the two Rust routers in their PD
-modes, each with a policy that needs no tokenizer (``round_robin``; vllm-router's default
-``cache_aware`` asks the prefill server to tokenize every prompt first). A router that is not
-installed is listed as not measured.
+flow (also as of an older git revision, ``--baseline``: each wanted flow as ``<flow>@REV``),
+and the two Rust routers in their PD modes, each with a policy that needs no tokenizer
+(``round_robin``; vllm-router's default ``cache_aware`` asks the prefill server to tokenize
+every prompt first). A router that is not installed is listed as not measured.
 """
 
 from __future__ import annotations
@@ -165,33 +165,39 @@ class Launcher:
                 p.kill()
 
 
+# Our proxy's flows as contenders: name -> extra ``splitserve proxy`` options.
+SPLITSERVE_FLOWS = {
+    "splitserve": (),
+    "splitserve-concurrent": (
+        "--flow", "concurrent", "--side-channel-port", "1", "--no-first-token-from-prefill",
+    ),
+    "splitserve-first-token": (
+        "--flow", "concurrent", "--side-channel-port", "1", "--first-token-from-prefill",
+    ),
+    "splitserve-sglang": ("--engine", "sglang", "--bootstrap-port", "8998"),
+}  # fmt: skip
+
+
 def start_contenders(
     launcher: Launcher, wanted: Callable[[str], bool], baseline: str | None
 ) -> tuple[list[Contender], list[str]]:
-    """``direct`` and every wanted contender, in the table's order: (started, not installed)."""
+    """``direct`` and every wanted contender, in the table's order: (started, not installed).
+
+    ``baseline``: our proxy as of that git revision too, as ``<flow>@REV``: the sequential
+    flow always (``splitserve@REV``), and every other of our flows that is wanted, so that a
+    change to one flow is measured before/after in the same run."""
     contenders = [Contender("direct", launcher.stub_d, None)]
     missing: list[str] = []
     if wanted("bare-aiohttp"):
         contenders.append(launcher.bare())
     if baseline is not None:
         src = export_revision(baseline)
-        contenders.append(launcher.splitserve(f"splitserve@{baseline}", src=src))
-    if wanted("splitserve"):
-        contenders.append(launcher.splitserve("splitserve"))
-    if wanted("splitserve-concurrent"):
-        contenders.append(
-            launcher.splitserve(
-                "splitserve-concurrent", "--flow", "concurrent", "--side-channel-port", "1",
-                "--no-first-token-from-prefill",
-            )
-        )  # fmt: skip
-    if wanted("splitserve-first-token"):
-        contenders.append(
-            launcher.splitserve(
-                "splitserve-first-token", "--flow", "concurrent", "--side-channel-port", "1",
-                "--first-token-from-prefill",
-            )
-        )  # fmt: skip
+        for name, extra in SPLITSERVE_FLOWS.items():
+            if name == "splitserve" or wanted(name):
+                contenders.append(launcher.splitserve(f"{name}@{baseline}", *extra, src=src))
+    for name in ("splitserve", "splitserve-concurrent", "splitserve-first-token"):
+        if wanted(name):
+            contenders.append(launcher.splitserve(name, *SPLITSERVE_FLOWS[name]))
     for name, installed, start in (
         ("vllm-router", vllm_router_installed, launcher.vllm_router),
         ("sglang-router", sglang_router_installed, launcher.sglang_router),
@@ -203,8 +209,6 @@ def start_contenders(
                 missing.append(name)
     if wanted("splitserve-sglang"):
         contenders.append(
-            launcher.splitserve(
-                "splitserve-sglang", "--engine", "sglang", "--bootstrap-port", "8998"
-            )
+            launcher.splitserve("splitserve-sglang", *SPLITSERVE_FLOWS["splitserve-sglang"])
         )
     return contenders, missing

@@ -45,7 +45,7 @@ from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutcome:
     """What the request handler reports in the request metrics (status, error kind)."""
 
@@ -53,7 +53,7 @@ class RequestOutcome:
     error_kind: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One client request as it goes through its attempts (the same for every pair tried)."""
 
@@ -263,9 +263,14 @@ class UpstreamCalls:
         t0 = loop.time()
         gauge = self.enter(p)
         try:
+            until = min(t0 + self.first_byte_s, deadline)
+            body = jsonio.dumps(payload)
             try:
-                until = min(t0 + self.first_byte_s, deadline)
-                status, raw = await self._post_read(p, path, payload, until, on_response)
+                resp = await self.client.post(p.url, path, body, until, on_response)
+                try:
+                    status, raw = resp.status, await resp.read()
+                finally:
+                    resp.release()  # read to the end: back to the pool; cancelled: closed
             except (TimeoutError, OSError) as e:
                 raise self.map_error(e, p, "the prefill answer") from None
             if status != 200:
@@ -293,21 +298,6 @@ class UpstreamCalls:
         finally:
             self.leave(p, gauge)
 
-    async def _post_read(
-        self,
-        b: Backend,
-        path: str,
-        payload: dict[str, Any],
-        until: float,
-        on_response: Callable[[UpstreamResponse], None] | None,
-    ) -> tuple[int, bytes]:
-        """Status and whole body; ``TimeoutError`` unless both came by loop time ``until``."""
-        resp = await self.client.post(b.url, path, jsonio.dumps(payload), until, on_response)
-        try:
-            return resp.status, await resp.read()
-        finally:
-            resp.release()  # read to the end: back to the pool; cancelled: closed
-
     async def open_decode(
         self,
         d: Backend,
@@ -329,16 +319,18 @@ class UpstreamCalls:
         """D's request written (on a pooled connection at once, else once connected; errors
         as the upstream client's), without waiting for its answer: the caller goes on (P's
         request) and later reads it (``decode_start``) or closes it."""
-        conn = await self.client.connection(d.url, until)
-        resp = self.client.response(until)
-        self.client.send(conn, path, jsonio.dumps(payload), resp)
+        client = self.client
+        conn = client.idle(d.url) or await client.connection(d.url, until)
+        resp = client.response(until)
+        client.send(conn, path, jsonio.dumps(payload), resp)
         return resp
 
     async def decode_start(self, d: Backend, resp: UpstreamResponse, stream: bool) -> bytes:
         """D's first chunk (streaming) or its whole body (not streaming, or not a 200), once
         its head is in, by ``resp.until``; ``resp`` is closed on any failure."""
         try:
-            await resp.wait_head()
+            if not resp.headers_done:
+                await resp.wait_head()
             if resp.status != 200 or not stream:
                 raw = await resp.read()
                 self.status_seen(d, resp.status)

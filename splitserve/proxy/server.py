@@ -227,6 +227,8 @@ def _generation_handler(
     state: ProxyState, route: str, path: str, check: Callable[[dict[str, Any]], None]
 ) -> Handler:
     metrics = state.metrics
+    latency = metrics.of(metrics.latency, route)
+    by_status: dict[int, Any] = {}  # the requests counter's child per final status
 
     async def handler(request: Request) -> Response | StreamResponse:
         outcome = RequestOutcome(status=500)
@@ -244,10 +246,14 @@ def _generation_handler(
             outcome.status, outcome.error_kind = 499, "client_disconnected"
             raise
         finally:
-            metrics.of(metrics.requests, route, str(outcome.status)).inc()
+            status = outcome.status
+            counter = by_status.get(status)
+            if counter is None:
+                counter = by_status[status] = metrics.of(metrics.requests, route, str(status))
+            counter.inc()
             if outcome.error_kind is not None:
                 metrics.errors.labels(outcome.error_kind).inc()
-            metrics.of(metrics.latency, route).observe(loop.time() - t0)
+            latency.observe(loop.time() - t0)
 
     return handler
 

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -318,14 +319,37 @@ class StreamRewriter:
             return b""
         end += 2
         whole, self._buffer = data[:end], data[end:]
-        d_id = self._d_id
-        # The usual run of token events: the markers are looked for once in all of them.
-        quick = d_id is not None and not _has_marker(whole)
+        events = whole.split(b"\n\n")
+        del events[-1]  # what follows the last "\n\n": empty
+        if self._d_id is not None:
+            return self._known(whole, events, self._d_id)
+        # D's id not learned yet: events are parsed until one shows it (the first, usually);
+        # the rest of this read goes the quick way (often all of D's answer is in by then).
         out = []
-        for event in whole.split(b"\n\n")[:-1]:
+        for k, event in enumerate(events):
+            rewritten = self._rewrite(event + b"\n\n")
+            if rewritten:
+                out.append(rewritten)
+            if self._d_id is not None:
+                rest = events[k + 1 :]
+                if rest:
+                    out.append(self._known(b"\n\n".join(rest) + b"\n\n", rest, self._d_id))
+                break
+        return b"".join(out)
+
+    def _known(self, whole: bytes, events: list[bytes], d_id: bytes) -> bytes:
+        """``whole``, the complete ``events``, rewritten once D's id is known."""
+        # The usual run of token events: the markers are looked for once in all of them.
+        quick = not _has_marker(whole)
+        if quick and _all_quick(events, d_id):
+            # Each event holds D's id or is [DONE]: the loop below would replace the id in
+            # every one and pass [DONE] as is, which one replace over the whole read does.
+            return whole.replace(d_id, self._p_id)
+        out = []
+        for event in events:
             event += b"\n\n"
-            if quick and d_id in event:  # type: ignore[operator]
-                out.append(event.replace(d_id, self._p_id))  # type: ignore[arg-type]
+            if quick and d_id in event:
+                out.append(event.replace(d_id, self._p_id))
                 continue
             rewritten = self._rewrite(event)
             if rewritten:
@@ -392,6 +416,17 @@ class StreamRewriter:
 
 
 _ID_KEY = re.compile(rb'"id"\s*:\s*')
+
+
+_DONE_EVENT = b"data: [DONE]"
+
+
+def _all_quick(events: list[bytes], d_id: bytes) -> bool:
+    """True when every one of ``events`` (split on their ``\\n\\n``) holds ``d_id``, or is
+    the ``[DONE]`` event as vLLM writes it: counted in C (``map``), no Python loop per event."""
+    held = sum(map(bytes.__contains__, events, itertools.repeat(d_id, len(events))))
+    missing = len(events) - held
+    return missing == 0 or (missing == 1 and events[-1] == _DONE_EVENT)
 
 
 def _has_marker(data: bytes) -> bool:

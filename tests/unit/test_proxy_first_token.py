@@ -327,6 +327,43 @@ def test_stream_rewriter_fast_path_gives_what_parsing_every_event_gives(
     assert (inner["content"] if chat else inner) == 'text with "id":"d-id" and "usage": inside'
 
 
+@pytest.mark.parametrize("all_in_first_read", [False, True])
+def test_stream_rewriter_one_replace_per_read_only_when_every_event_has_the_id(
+    all_in_first_read, monkeypatch
+):
+    """A read whose events all hold D's id (or are [DONE]) is rewritten by one replace; one
+    event without the id makes the read go event by event, and that event is parsed."""
+    decoded: list[bytes] = []
+    loads = stitch.jsonio.loads
+    monkeypatch.setattr(stitch.jsonio, "loads", lambda raw: decoded.append(raw) or loads(raw))
+    head = stitch.PrefillHead.from_prefill_answer(
+        StubVllm._whole(False, ["A"], "length", "p-id"), chat=False
+    )
+
+    def token(text: str, rid: str | None = "d-id") -> bytes:
+        event: dict[str, Any] = {"choices": [{"index": 0, "text": text}]}
+        if rid is not None:
+            event = {"id": rid, **event}
+        return _sse(event)
+
+    first = token("B")
+    same = token("C") + token("D") + b"data: [DONE]\n\n"
+    expected = same.replace(b'"id":"d-id"', b'"id":"p-id"')
+    rewriter = stitch.StreamRewriter(head)
+    if all_in_first_read:
+        out = rewriter.feed(first + same)
+        assert out == first.replace(b'"id":"d-id"', b'"id":"p-id"') + expected
+    else:
+        rewriter.feed(first)
+        assert rewriter.feed(same) == expected
+    assert len(decoded) == 1, "only the event that showed D's id was parsed"
+    mixed = token("E") + token("F", rid=None) + token("G")
+    got = [json.loads(e[6:]) for e in rewriter.feed(mixed).split(b"\n\n") if e]
+    assert [e["id"] for e in got] == ["p-id"] * 3
+    assert [e["choices"][0]["text"] for e in got] == ["E", "F", "G"]
+    assert len(decoded) == 2, "the event without D's id was parsed, the others not"
+
+
 # -- the flow through the proxy -----------------------------------------------------------------
 
 

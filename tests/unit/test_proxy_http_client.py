@@ -103,6 +103,34 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request(client) ->
         assert s.connections == 1
 
 
+async def test_one_connection_carries_answers_of_either_framing_in_turn(client) -> None:
+    """The connection's parser goes on from answer to answer: chunked, then Content-Length,
+    then chunked again, each read whole on the same connection."""
+
+    async def alternate(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        n = 0
+        while True:
+            await read_request(r)
+            n += 1
+            if n % 2:
+                w.write(
+                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-N: %d\r\n\r\n"
+                    b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n" % n
+                )
+            else:
+                w.write(ok(b"fixed %d" % n, b"X-N: %d\r\n" % n))
+            await w.drain()
+
+    async with scripted(alternate) as s:
+        for i in range(1, 5):
+            resp = await client.post(s.origin, "/v1/completions", b"{}")
+            assert resp.status == 200 and resp.header("x-n") == str(i)
+            assert not resp.close_delimited
+            assert await resp.read() == (b"abcde" if i % 2 else b"fixed %d" % i)
+            resp.release()
+        assert s.connections == 1
+
+
 async def test_chunked_stream_arrives_piece_by_piece(client) -> None:
     go = asyncio.Event()
 

@@ -93,8 +93,8 @@ class UpstreamClient:
         to ``interrupt`` it. The caller reads the body and then calls ``release()`` (or
         ``close()``). The request is written once: a failure after that is raised
         (``UpstreamDisconnected``), never sent again."""
-        conn = await self.connection(origin, until)
-        response = self.response(until)
+        conn = self.idle(origin) or await self.connection(origin, until)
+        response = UpstreamResponse(self._loop, until, self._sweeper)
         if on_response is not None:
             on_response(response)
         try:
@@ -104,6 +104,12 @@ class UpstreamClient:
             response.close()
             raise
         return response
+
+    def idle(self, origin: str) -> UpstreamConnection | None:
+        """An idle connection to ``origin`` fit for reuse, or None: ``connection`` without a
+        coroutine for the usual case (each costs a frame and a send on the hot path)."""
+        pool = self._pools.get(origin)
+        return None if pool is None else pool.take()
 
     async def connection(self, origin: str, until: float | None = None) -> UpstreamConnection:
         """A connection to ``origin`` to write one request on at once (``send``): an idle one

@@ -38,6 +38,8 @@ _HIGH_WATER = 256 * 1024  # buffered body bytes above which reading pauses
 # own keep-alive limit (uvicorn's default, vLLM's and SGLang's server: 5 s), so the proxy does not
 # write a request on a connection the server is closing at that moment.
 _MAX_IDLE_S = 4.0
+# Header names (lower case) that frame an answer's body; without either it ends at the close.
+_FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 
 
 class UpstreamConnectError(ConnectionError):
@@ -100,6 +102,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.lost = False
         self.got_bytes = False
+        self.framed = False  # the answer in flight has a Content-Length or Transfer-Encoding
         self.idle_since = 0.0
         self.watch: select.poll | None = None  # its socket, checked before each reuse
 
@@ -145,14 +148,15 @@ class UpstreamConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         self.response.raw_headers.append((name, value))
+        if not self.framed and name.lower() in _FRAMING:
+            self.framed = True
 
     def on_headers_complete(self) -> None:
         r = self.response
         assert r is not None
         r.status = self.parser.get_status_code()
         r.headers_done = True
-        names = {n.lower() for n, _ in r.raw_headers}
-        r.close_delimited = b"content-length" not in names and b"transfer-encoding" not in names
+        r.close_delimited = not self.framed
         r.wake()
 
     def on_body(self, body: bytes) -> None:
@@ -175,7 +179,10 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self.got_bytes = False
-        self.parser = httptools.HttpResponseParser(self)
+        self.framed = False
+        # The parser made with the connection goes on from answer to answer: a connection
+        # carries another request only after its answer was complete (``ConnectionPool.put``
+        # via ``UpstreamResponse.release``), where llhttp waits for the next message.
         response.conn = self
         self.transport.write(request)
 

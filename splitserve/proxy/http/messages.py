@@ -200,17 +200,42 @@ def _date() -> bytes:
     return _date_header
 
 
+# Encoded header lines by the headers' items: the proxy answers with a few fixed sets (JSON,
+# SSE, an error with Retry-After), so each set is encoded once, not on every answer.
+_LINES: dict[tuple[tuple[str, object], ...], bytes] = {}
+_MAX_LINES = 256  # sets kept; a caller with ever new values is encoded each time past it
+_CONNECTION = {
+    (False, "1.1"): b"Connection: close\r\n\r\n",
+    (False, "1.0"): b"Connection: close\r\n\r\n",
+    (True, "1.1"): b"\r\n",
+    (True, "1.0"): b"Connection: keep-alive\r\n\r\n",
+}
+
+
+def _header_lines(headers: dict[str, str]) -> bytes:
+    key = tuple(headers.items())
+    try:
+        lines = _LINES.get(key)
+    except TypeError:  # a value that cannot be a key: encoded, not kept
+        lines, key = None, None
+    if lines is None:
+        lines = b"".join(
+            f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items()
+        )
+        if key is not None and len(_LINES) < _MAX_LINES:
+            _LINES[key] = lines
+    return lines
+
+
 def encode_head(
     status: int, headers: dict[str, str], keep_alive: bool, version: str, extra: bytes = b""
 ) -> bytes:
     """The status line and headers of an answer (``extra``: pre-encoded header lines)."""
     line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, _reason(status))
-    parts = [line, _date(), extra]
-    for name, value in headers.items():
-        parts.append(f"{name}: {value}\r\n".encode("latin-1"))
-    if not keep_alive:
-        parts.append(b"Connection: close\r\n")
-    elif version == "1.0":
-        parts.append(b"Connection: keep-alive\r\n")
-    parts.append(b"\r\n")
-    return b"".join(parts)
+    end = _CONNECTION.get((keep_alive, version))
+    if end is None:  # any other version string: as 1.1
+        if not keep_alive:
+            end = b"Connection: close\r\n\r\n"
+        else:
+            end = b"Connection: keep-alive\r\n\r\n" if version == "1.0" else b"\r\n"
+    return b"".join((line, _date(), extra, _header_lines(headers), end))

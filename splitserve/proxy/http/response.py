@@ -120,6 +120,15 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The rest of the body."""
+        if self.complete and self._error is None:  # all in (the usual case): no wait
+            chunks = self._chunks
+            data = b"".join(chunks) if len(chunks) != 1 else chunks[0]
+            chunks.clear()
+            self.buffered = 0
+            if self.paused and self.conn is not None:
+                self.paused = False
+                self.conn.resume()
+            return data
         parts = []
         while True:
             chunk = await self.readany()
@@ -165,7 +174,9 @@ class UpstreamResponse:
         """Body bytes arrived."""
         self._chunks.append(data)
         self.buffered += len(data)
-        self.wake()
+        w = self._waiter  # ``wake``, inline: a streamed answer comes in many pieces
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def fail(self, error: Exception) -> None:
         """The answer failed: every wait raises ``error`` from now on."""
