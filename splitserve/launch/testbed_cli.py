@@ -38,13 +38,19 @@ def testbed() -> None:
 @testbed.command()
 @click.argument("hosts", nargs=-1)
 @click.option("--rate-mbit", type=float, default=None, help="Shape every host's link to this.")
-def up(hosts: tuple[str, ...], rate_mbit: float | None) -> None:
+@click.option(
+    "--loss-pct",
+    type=float,
+    default=0.0,
+    help="Drop this % of frames both ways on every host's link (netem, else nftables).",
+)
+def up(hosts: tuple[str, ...], rate_mbit: float | None, loss_pct: float) -> None:
     """Create the hosts (default: p d proxy), replacing a bed of ours left from before."""
     try:
         bed = _bed(hosts or ("p", "d", "proxy")).up()
-        if rate_mbit:
+        if rate_mbit or loss_pct:
             for name in bed.hosts:
-                bed.shape(name, tb.LinkShape(rate_mbit=rate_mbit))
+                bed.shape(name, tb.LinkShape(rate_mbit=rate_mbit, loss_pct=loss_pct))
     except tb.TestbedError as exc:
         raise click.ClickException(str(exc)) from exc
     for line in bed.status():
@@ -62,3 +68,17 @@ def status() -> None:
     """One line per host of the bed made by ``up``."""
     for line in _bed(()).status():
         click.echo(line)
+
+
+@testbed.command()
+@click.argument("host")
+def cut(host: str) -> None:
+    """Cut HOST's link silently (frames dropped both ways, no FIN or RST)."""
+    _bed(()).cut(host)
+
+
+@testbed.command()
+@click.argument("host")
+def heal(host: str) -> None:
+    """Undo ``cut``."""
+    _bed(()).heal(host)
