@@ -265,3 +265,34 @@ def test_an_early_send_inside_the_forward_leaves_the_layer_wise_step_open():
     mgr.add_transfer_request(room, [7], slice(2, 3), is_last_chunk=True)
     assert ("step", [(transfer_id, [5, 6, 7])]) in mgr.sender.calls
     assert ("finish", transfer_id) in mgr.sender.calls
+
+
+def _receiver(state, pool: dict, entries: dict):
+    """A decode receiver that concluded in ``state``, over SGLang's real ``poll`` and cache."""
+    conn = pytest.importorskip("splitserve.connectors.sglang.conn")
+    recv = conn.SplitserveKVReceiver.__new__(conn.SplitserveKVReceiver)
+    recv._lifecycle_lock = threading.RLock()
+    recv.conclude_state = state
+    recv.kv_mgr = SimpleNamespace(connection_pool=pool, connection_lock=threading.Lock())
+    recv._connection_pool_entries = entries
+    return recv
+
+
+def test_a_failed_load_makes_the_next_request_ask_the_bootstrap_server_again():
+    """P restarted on its same HTTP and bootstrap ports binds a new side-channel port: SGLang's
+    cached rank of that P (the old port) is dropped when a load fails, as SGLang's own backends
+    drop it when a send fails; a load that succeeds keeps it."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    infos = [{"rank_ip": "127.0.0.1", "rank_port": 5555, "is_dummy": False}]
+    pool = {"127.0.0.1:8998_0_0_0": infos}
+    ok = _receiver(KVPoll.Success, pool, {"127.0.0.1:8998_0_0_0": infos})
+    assert ok.poll() == KVPoll.Success and pool, "a good load keeps the cache"
+    failed = _receiver(KVPoll.Failed, pool, {"127.0.0.1:8998_0_0_0": infos})
+    assert failed.poll() == KVPoll.Failed
+    assert pool == {} and failed._connection_pool_entries == {}
+    # A newer request that already fetched the new rank keeps its entry.
+    fresh = [{"rank_ip": "127.0.0.1", "rank_port": 6666, "is_dummy": False}]
+    pool["127.0.0.1:8998_0_0_0"] = fresh
+    stale = _receiver(KVPoll.Failed, pool, {"127.0.0.1:8998_0_0_0": infos})
+    assert stale.poll() == KVPoll.Failed and pool == {"127.0.0.1:8998_0_0_0": fresh}

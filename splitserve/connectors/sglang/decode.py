@@ -17,6 +17,9 @@ manager class for both modes, so this side's part of it is ``DecodeManagerMixin`
   transfer ... received, exposed handoff ... s"); P's ABORT, P's process lost or no DONE in time
   -> ``Failed`` with the reason.
 
+A failed load drops SGLang's cached bootstrap info of its P (``poll``), so the next request
+asks P's bootstrap server again: a P restarted on its same ports binds a new side-channel port.
+
 Invariant: every refusal (no bootstrap info, state buffers, several prefill ranks, a prefill host
 not allowed, a registration ``KVReceiver`` refuses) ends the transfer through the manager's
 ``_fail`` with the reason.
@@ -179,6 +182,16 @@ class SplitserveKVReceiver(TransferIdOfRoom, CommonKVReceiver):
         ):
             self.init_time = time.time()
             mgr.timeline.event(self.bootstrap_room, "d_registered", pages=len(kv_indices))
+
+    def poll(self) -> KVPoll:
+        state = super().poll()
+        if state == KVPoll.Failed and self._connection_pool_entries:
+            # As SGLang's own backends do when a send fails: the next request asks P's
+            # bootstrap server again. A P restarted on its ports has a new side-channel port,
+            # and P's bootstrap server may answer again before D's heartbeats saw it gone, so
+            # the cached rank (the old port) would fail every next request.
+            self.invalidate_cached_bootstrap_infos()
+        return state
 
     def _send_abort_notification(self, *, force_arm: bool = False):
         targets = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
