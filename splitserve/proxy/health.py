@@ -6,9 +6,10 @@ in ``HealthTracker`` (``observe``, ``connect_failed``, ``request_failed``,
 ``request_succeeded``), which also logs it and updates the metrics, so an ejection or
 re-admission is never silent. The rules (docs/proxy.md, "Faults"):
 
-- Health checks: ``failures_to_eject`` failed checks in a row (refused, broken, an error status)
-  eject (``health_check``; one is enough at start-up); ``timeouts_to_eject`` checks in a row that
-  time out eject (``health_timeout``): a busy server answers its checks late, so a timeout alone
+- Health checks: ``failures_to_eject`` failed checks in a row (refused, broken, an error status,
+  no connection within ``timeouts.connect_s``) eject (``health_check``; one is enough at
+  start-up); ``timeouts_to_eject`` checks in a row that time out (``timeout_s``, connecting
+  included) eject (``health_timeout``): a busy server answers its checks late, so a timeout alone
   only marks it ``degraded``, and a real request to it that succeeds restarts the count and
   readmits a server ejected that way. ``successes_to_readmit`` good checks in a row readmit.
 - A request that cannot connect ejects at once (``connect_error``, when
@@ -255,8 +256,12 @@ class HealthChecker:
                 await resp.read()
                 ok = resp.status == 200
                 detail = "" if ok else f"health check answered {resp.status}"
-        except aiohttp.ConnectionTimeoutError as e:  # unreachable, not busy
-            ok, detail = False, f"health check failed: cannot connect: {e}"
+        except aiohttp.ConnectionTimeoutError as e:
+            if self._budget_ran_out_connecting():  # late, as a busy server is
+                detail = f"health check timed out after {s.timeout_s:g} s (connecting)"
+                self.tracker.observe(backend, False, detail, decisive, timed_out=True)
+                return
+            ok, detail = False, f"health check failed: cannot connect: {e}"  # unreachable
         except asyncio.TimeoutError:  # aiohttp's read timeouts are subclasses
             ok, detail = False, f"health check timed out after {s.timeout_s:g} s"
             self.tracker.observe(backend, ok, detail, decisive, timed_out=True)
@@ -264,6 +269,15 @@ class HealthChecker:
         except (aiohttp.ClientError, OSError) as e:
             ok, detail = False, f"health check failed: {type(e).__name__}: {e}"
         self.tracker.observe(backend, ok, detail, decisive)
+
+    def _budget_ran_out_connecting(self) -> bool:
+        """aiohttp reports any timeout that fires while connecting as a connect timeout, the
+        check's own ``timeout_s`` included. Only the session's connect bound (``connect_s``, the
+        one requests have) proves a server unreachable; a shorter check budget spent on the
+        connect (a full accept queue, a loaded loop) is a late answer like any other."""
+        timeout = getattr(self.session, "timeout", None)
+        bound = None if timeout is None else (timeout.sock_connect or timeout.connect)
+        return bound is None or self.tracker.settings.timeout_s < bound
 
     async def check_all(self, decisive: bool = False) -> None:
         await asyncio.gather(*(self.check(b, decisive) for b in self.tracker.backends))

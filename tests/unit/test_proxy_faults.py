@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 
 from splitserve.proxy.config import HealthSettings, OutlierSettings, build_config
 from splitserve.proxy.errors import NoHealthyServer
-from splitserve.proxy.health import HealthTracker
+from splitserve.proxy.health import HealthChecker, HealthTracker
 from splitserve.proxy.metrics import ProxyMetrics
 from splitserve.proxy.routing import Backend, Pool
 from splitserve.proxy.server import ProxyServer
@@ -432,6 +432,49 @@ def test_outlier_ejection_grows_and_half_open_admits_one_probe() -> None:
     assert pool.pick(exclude=[bs[1]]) is b
     tracker.request_succeeded(b)
     assert b.healthy and not b.probation and b.outlier_streak == 0 and b.ejections == 3
+
+
+class ConnectTimesOut:
+    """A session whose every request times out while connecting, as aiohttp reports any
+    timeout that fires then (the request's own total included)."""
+
+    def __init__(self, connect_s: float | None) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
+
+    def get(self, url: str, **kwargs: Any) -> ConnectTimesOut:
+        return self
+
+    async def __aenter__(self) -> None:
+        raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {self}")
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "connect_s", "reason"),
+    [(0.001, 5.0, "health_timeout"), (1.0, None, "health_timeout"), (5.0, 5.0, "health_check")],
+)
+async def test_a_check_that_spends_its_own_budget_connecting_is_late_not_down(
+    timeout_s: float, connect_s: float | None, reason: str
+) -> None:
+    """A check whose ``timeout_s`` is shorter than the connect bound and runs out while
+    connecting is a timeout (soft: panic still routes to the server), as a busy server's; only
+    the connect bound itself (``timeouts.connect_s``, the one requests have) proves it down.
+    Before, such a check read as "cannot connect" (``health_check``: known down), so a short
+    budget (the 1 ms of test_fault_matrix.py's panic test) firing during the connect took a
+    live P out of the panic and its pool answered 503."""
+    b = Backend("prefill", "http://p0:1")
+    tracker = HealthTracker([b], HealthSettings(timeout_s=timeout_s), ProxyMetrics())
+    checker = HealthChecker(tracker, ConnectTimesOut(connect_s))  # type: ignore[arg-type]
+    await checker.check(b, decisive=True)
+    assert b.ejected_by == reason
+    pool = Pool("prefill", [b], "round_robin", panic_threshold=0.5)
+    if reason == "health_timeout":
+        assert pool.pick() is b and b.degraded
+    else:
+        with pytest.raises(NoHealthyServer):
+            pool.pick()
 
 
 def test_panic_routes_to_soft_ejected_servers_only() -> None:
