@@ -2,7 +2,9 @@
 behind the real proxy, and faults a fleet sees: a P SIGKILLed mid-prefill, a D SIGKILLed
 mid-transfer (push and pull), clients that go away at a random point of a long prompt, a P
 restarted on its same ports under a live D, and a P or a D frozen (SIGSTOP) for longer than the
-lease.
+lease. And the proxy's own rules against such servers (docs/proxy.md, "Faults"): outlier
+ejection of a D that answers 500 to every request and of a frozen D, the half-open probe after
+the ejection, and panic routing to a busy single P that misses its health checks.
 
 Pass criterion, per case (docs/connector-protocol.md, "Failure matrix"; docs/proxy.md,
 "Faults"): every request ends within its bound with a clear error (an HTTP error with the
@@ -10,12 +12,20 @@ OpenAI error body, or an SSE ``error`` event) or the colocated server's greedy a
 on every P and D is back to 0 within the lease; the next request is correct.
 
 Servers (keys ``fm-*``, this module's own, stopped at its end): ``fm-p1`` (P, pulls), ``fm-p2``
-(P, pushes) and ``fm-d`` (D), all ``kv_both``; a request without ``kv_transfer_params`` makes
-``fm-d`` a colocated server: the reference. Their model is the tiny preset made wider (hidden
+(P, pushes) and ``fm-d`` (D), all ``kv_both`` (so ``fm-p2`` is also a second working D for
+``fm-p1``); a request without ``kv_transfer_params`` makes ``fm-d`` a colocated server: the
+reference. ``fm-dx`` is a misconfigured D: started with a deployment key no P accepts, each of
+its KV loads fails at the side channel's handshake (``key mismatch``, docs/security.md) and
+vLLM's default ``kv_load_failure_policy: fail`` ends the request with HTTP 500, the realistic
+"D answers 500 to everything". Their model is the tiny preset made wider (hidden
 512, MLP 2048: see ``FAULT_MODEL``) so that a ~3,600-token prompt keeps P busy for seconds on
 one core, long enough to kill it mid-prefill; its KV per token is the tiny model's. A killed
 server is restarted at once (``Fleet.kill`` then ``Fleet.restart``: same command line, same
 HTTP and side-channel ports) and waited for only by the test that needs it next.
+
+The outlier and panic tests set their proxy's rules small (2 or 3 failures in a row, ejections
+of seconds, a 1 ms health-check timeout) and observe every state through the proxy's metrics,
+``/ready`` and live backend state, never by elapsed time.
 
 "Mid-prefill" is observed, not timed: a kill waits until the server's ``/metrics`` show the
 request running (``vllm:num_requests_running``), and the prompt takes several chunked steps.
@@ -46,6 +56,7 @@ from splitserve.models import build_model, resolve_spec
 from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
+from splitserve.transfer.auth import write_key_file
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +71,9 @@ LONG_WORDS = 1650  # about 3,600 tokens of the word prompt below
 MAX_TOKENS = 8
 # Client disconnects per flow (the issue's 20 rounds: about 33 s per flow here).
 ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "20"))
-KEYS = ("fm-p1", "fm-p2", "fm-d")
+KEYS = ("fm-p1", "fm-p2", "fm-d", "fm-dx")
+BAD_D = "fm-dx"  # a D whose deployment key no P accepts: every KV load fails, so every
+# disaggregated request to it ends in HTTP 500 (vLLM's kv_load_failure_policy "fail")
 PREFILL_LEAD_S = 0.3  # into P's prefill (several seconds long) before the fault
 
 
@@ -128,13 +141,13 @@ class Fleet:
                 proc.send_signal(signal.SIGCONT)
 
 
-def _kv_config(side_port: int, direction: str) -> dict[str, Any]:
+def _kv_config(side_port: int, direction: str, auth_key_file: str) -> dict[str, Any]:
     return {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "side_channel_port": side_port,
-            "auth_key_file": key_file(),
+            "auth_key_file": auth_key_file,
             "direction": direction,
             "lease_s": LEASE_S,
             "done_timeout_s": 60,
@@ -150,17 +163,25 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
     # One core each for p1 and D; p2 (the other pair's P, idle most of the time) is not pinned:
     # pinned beside D, the two engines' OpenMP threads shared one core and p2's side channel
     # missed its 5 s handshake and heartbeat bounds (docs/connector-protocol.md).
-    layout = {"fm-p1": ("pull", 0), "fm-p2": ("push", None), "fm-d": ("auto", 1)}
+    # The bad D (idle but for its failed loads) is not pinned either.
+    layout = {
+        "fm-p1": ("pull", 0),
+        "fm-p2": ("push", None),
+        "fm-d": ("auto", 1),
+        BAD_D: ("auto", None),
+    }
     unpinned = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    other_key = write_key_file(tmp_path_factory.mktemp("fm-dx") / "auth.key", "not-this-fleets-key")
     try:
         for key, side in zip(KEYS, free_ports(len(KEYS)), strict=True):
             direction, core = layout[key]
             running.side[key] = side
+            auth = str(other_key) if key == BAD_D else key_file()
             servers.group.add_vllm(
                 key,
                 str(model),
                 served_model_name="tiny",
-                kv_transfer_config=_kv_config(side, direction),
+                kv_transfer_config=_kv_config(side, direction, auth),
                 extra_args=extra,
                 cpu_core=core,
                 env=unpinned if core is None else None,
@@ -171,13 +192,15 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
         running.stop_all()
 
 
-def proxy_config(fleet: Fleet, prefill: list[str], **overrides: Any):
+def proxy_config(
+    fleet: Fleet, prefill: list[str], decode: tuple[str, ...] = ("fm-d",), **overrides: Any
+):
     return build_config(
         {
             "port": 0,
             "flow": "concurrent",
             "prefill": [{"url": fleet.url(k), "side_channel_port": fleet.side[k]} for k in prefill],
-            "decode": [{"url": fleet.url("fm-d")}],
+            "decode": [{"url": fleet.url(k)} for k in decode],
             "routing": {"prefill": "round_robin"},
             "health": {"interval_s": 1.0, "timeout_s": 5.0},
             "timeouts": {"first_byte_s": 60.0, "stream_idle_s": 30.0, "total_s": REQUEST_S},
@@ -187,8 +210,10 @@ def proxy_config(fleet: Fleet, prefill: list[str], **overrides: Any):
 
 
 @contextlib.contextmanager
-def proxy(fleet: Fleet, prefill: list[str], **overrides: Any) -> Iterator[BackgroundProxy]:
-    with BackgroundProxy(proxy_config(fleet, prefill, **overrides)) as running:
+def proxy(
+    fleet: Fleet, prefill: list[str], decode: tuple[str, ...] = ("fm-d",), **overrides: Any
+) -> Iterator[BackgroundProxy]:
+    with BackgroundProxy(proxy_config(fleet, prefill, decode, **overrides)) as running:
         yield running
 
 
@@ -514,4 +539,198 @@ def test_server_frozen_past_the_lease_then_resumed(fleet, victim):
         assert answer.text in (None, colocated(fleet, prompt)), answer
         kv_free(fleet, ("fm-p1", "fm-d"))
         check_next(fleet, running.url, 90 + (victim == "fm-d"), stream=True)
+    kv_free(fleet)
+
+
+# -- outlier detection and panic (issue #20) -----------------------------------------------------
+
+ROUND_ROBIN = {"prefill": "round_robin", "decode": "round_robin"}
+BASE_EJECTION_S = 8.0
+# Below any answer time of /health: vLLM's API server answers it in its own process, so a P
+# busy in its engine answered within 50 ms on this machine (first run); the state under test
+# (a single P ejected ``health_timeout`` while it computes a long prompt) is made certain.
+PANIC_HEALTH_TIMEOUT_S = 0.001
+
+
+def ejections(proxy_url: str, reason: str, server: str | None = None) -> float:
+    labels = {"reason": reason} if server is None else {"reason": reason, "server": server}
+    return metric_sum(fetch_metrics(proxy_url), "splitserve_proxy_ejections_total", **labels)
+
+
+def ready_entry(proxy_url: str, pool: str, server_url: str) -> dict[str, Any]:
+    """The proxy's ``/ready`` view of one server (200 or 503: read either)."""
+    parts = urlsplit(proxy_url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("GET", "/ready")
+        data = json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+    port = urlsplit(server_url).port
+    return next(s for s in data[pool]["servers"] if urlsplit(s["url"]).port == port)
+
+
+def idle(url: str) -> bool:
+    text = fetch_metrics(url)
+    return (
+        metric_sum(text, "vllm:num_requests_running")
+        + metric_sum(text, "vllm:num_requests_waiting")
+        == 0
+    )
+
+
+def finished(url: str) -> float:
+    """Requests the server finished with an answer (not aborted, not failed)."""
+    text = fetch_metrics(url)
+    return sum(
+        metric_sum(text, "vllm:request_success_total", finished_reason=reason)
+        for reason in ("length", "stop")
+    )
+
+
+def test_a_d_whose_loads_all_fail_is_ejected_and_its_probe_ejects_it_for_longer(fleet):
+    """Two D, one of them ``fm-dx`` (a key no P accepts: each KV load fails at the handshake
+    and vLLM's ``kv_load_failure_policy: fail`` ends the request with HTTP 500). Round robin
+    sends it every other request; D's 500 is relayed to that client (not retried: D's request
+    is never sent twice), and its ``consecutive_failures`` (3) failures in a row eject it
+    (``reason="outlier"``). While it is out every request goes to ``fm-d`` and is the
+    colocated answer. Once its ejection is over it is half-open: its one probe (a request, or a
+    passing health check then a request on probation) fails and ejects it again, for twice the
+    time."""
+    fleet.wait()
+    prompts = [text_prompt(200, 500 + i) for i in range(3)]
+    refs = [colocated(fleet, p) for p in prompts]
+    outlier = {"consecutive_failures": 3, "base_ejection_s": BASE_EJECTION_S, "max_ejection_s": 60}
+    bad_url = fleet.url(BAD_D)
+    with proxy(
+        fleet,
+        ["fm-p1"],
+        ("fm-d", BAD_D),
+        routing=ROUND_ROBIN,
+        outlier=outlier,
+        first_token_from_prefill=False,  # D's status reaches the client (before the commit)
+    ) as running:
+        bad = backend_of(running.state.decode, bad_url)
+        first: list[Outcome] = []
+        for i in range(12):  # round robin: the 3rd failure is the 6th request
+            if bad.ejected_by is not None:
+                break
+            answer = send(running.url, body_for(prompts[i % 3]))
+            first.append(answer)
+            assert answer.text in (None, refs[i % 3]), f"{answer}\n{hints(fleet)}"
+        failed = [a for a in first if a.text is None]
+        assert [a.status for a in failed] == [500] * 3 and all(a.clean for a in failed), first
+        assert ejections(running.url, "outlier", bad.url) == 1
+        assert ejections(running.url, "outlier") == 1, "the good D or P was ejected too"
+        # Out: every request goes to the good D, until the half-open probe fails.
+        served, probe, i = 0, None, 0
+        t0 = time.monotonic()
+        while probe is None:
+            assert time.monotonic() - t0 < WAIT_S + BASE_EJECTION_S, "no half-open probe"
+            answer = send(running.url, body_for(prompts[i % 3]))
+            if ejections(running.url, "outlier", bad.url) >= 2:
+                probe = answer  # the request that probed it
+            else:
+                assert answer.text == refs[i % 3], f"{answer}\n{hints(fleet)}"
+                served += 1
+            i += 1
+        assert probe.text is None and probe.status == 500 and probe.clean, probe
+        assert served >= 1, "no request served while the bad D was out"
+        entry = ready_entry(running.url, "decode", bad_url)
+        assert entry["ejected_by"] == "outlier", entry
+        assert f"out for {2 * BASE_EJECTION_S:g} s" in entry["error"], entry
+        for j in range(2):  # out again: the good D serves
+            answer = send(running.url, body_for(prompts[j]))
+            assert answer.text == refs[j], f"{answer}\n{hints(fleet)}"
+        assert ejections(running.url, "outlier") == 2
+    kv_free(fleet)
+
+
+def test_a_frozen_d_is_ejected_after_timeouts_and_serves_again_once_resumed(fleet):
+    """Two D: ``fm-d`` and ``fm-p2`` (``kv_both``: a D to ``fm-p1``, which pulls). ``fm-p2``
+    is frozen (SIGSTOP: alive, silent); round robin sends it every other streamed request,
+    which ends in 504 after ``first_byte_s``, and 2 of them in a row eject it (outlier; its
+    health checks, which time out too, are set not to eject here so the outlier rule is the one
+    under test). The other D serves meanwhile. Resumed (SIGCONT), it is readmitted once its
+    ejection is over (a passing health check or its half-open probe) and serves correct
+    answers again."""
+    fleet.wait()
+    victim = "fm-p2"
+    prompts = [text_prompt(200, 600 + i) for i in range(3)]
+    refs = [colocated(fleet, p) for p in prompts]
+    with proxy(
+        fleet,
+        ["fm-p1"],
+        ("fm-d", victim),
+        routing=ROUND_ROBIN,
+        outlier={"consecutive_failures": 2, "base_ejection_s": 15.0, "max_ejection_s": 60},
+        health={"interval_s": 1.0, "timeout_s": 2.0, "timeouts_to_eject": 1000},
+        timeouts={"first_byte_s": 10.0, "stream_idle_s": 30.0, "total_s": REQUEST_S},
+        first_token_from_prefill=False,
+    ) as running:
+        frozen = backend_of(running.state.decode, fleet.url(victim))
+        fleet.signal(victim, signal.SIGSTOP)
+        try:
+            outcomes: list[Outcome] = []
+            for i in range(8):  # round robin: the 2nd timeout is the 4th request
+                if frozen.ejected_by is not None:
+                    break
+                answer = send(running.url, body_for(prompts[i % 3], stream=True))
+                outcomes.append(answer)
+                assert answer.text in (None, refs[i % 3]), f"{answer}\n{hints(fleet)}"
+            failed = [a for a in outcomes if a.text is None]
+            assert [a.status for a in failed] == [504] * 2, outcomes
+            assert all(a.clean for a in failed), failed
+            assert ejections(running.url, "outlier", frozen.url) == 1
+            for j in range(2):  # out: the other D serves
+                answer = send(running.url, body_for(prompts[j], stream=True))
+                assert answer.text == refs[j], f"{answer}\n{hints(fleet)}"
+        finally:
+            fleet.signal(victim, signal.SIGCONT)
+        wait_for(lambda: frozen.healthy, "the resumed D readmitted")
+        # What it does with the requests the proxy gave up on (their loads fail: P freed the
+        # KV at its lease) ends before the count of answers it finished starts.
+        victim_url = fleet.url(victim)
+        wait_for(lambda: idle(victim_url), "the resumed D done with the abandoned requests")
+        served = finished(victim_url)
+        for i in range(6):  # round robin: one of the first two goes to it
+            answer = send(running.url, body_for(prompts[i % 3], stream=True))
+            assert answer.text == refs[i % 3], f"{answer}\n{hints(fleet)}"
+            if finished(victim_url) > served:
+                break
+        else:
+            raise AssertionError("the resumed D served none of 6 requests")
+    kv_free(fleet)
+
+
+def test_a_busy_single_p_missing_its_health_checks_still_serves_in_panic(fleet):
+    """The issue's case: one P, ejected for health checks that time out (``health_timeout``:
+    ``timeout_s`` below any answer time here, and checks 5 s apart, so it stays out), busy with
+    a 3,600-token prompt. A request that comes meanwhile is not refused (no 503 ``no healthy
+    prefill server available``): the pool is in panic, the soft-ejected P is still a candidate
+    (``panic_routes_total{pool="prefill"}`` rises at that request), and both answers are the
+    colocated ones."""
+    fleet.wait()
+    long_prompt = text_prompt(LONG_WORDS, 700)
+    short_prompt = text_prompt(200, 701)
+    refs = [colocated(fleet, long_prompt), colocated(fleet, short_prompt)]
+    health = {"interval_s": 5.0, "timeout_s": PANIC_HEALTH_TIMEOUT_S, "timeouts_to_eject": 1}
+    with proxy(fleet, ["fm-p1"], health=health) as running, ThreadPoolExecutor(1) as pool:
+        p = running.state.prefill.backends[0]
+        assert p.ejected_by == "health_timeout", "P answered its first check within 1 ms"
+
+        def panics() -> float:
+            text = fetch_metrics(running.url)
+            return metric_sum(text, "splitserve_proxy_panic_routes_total", pool="prefill")
+
+        busy = pool.submit(send, running.url, body_for(long_prompt, stream=True))
+        wait_for(lambda: p.outstanding > 0 or busy.done(), "P computing the long prompt")
+        before = panics()
+        assert before >= 1 and not busy.done(), busy
+        assert p.ejected_by == "health_timeout" and p.outstanding > 0, "P no longer out and busy"
+        answer = send(running.url, body_for(short_prompt))
+        assert answer.text == refs[1], f"{answer}\n{hints(fleet)}"
+        assert panics() > before, "the request was not routed in panic"
+        long_answer = busy.result(timeout=REQUEST_S + 30)
+        assert long_answer.text == refs[0], f"{long_answer}\n{hints(fleet)}"
     kv_free(fleet)
