@@ -48,6 +48,15 @@ Invariants:
   handshake within another ``connect_timeout_s``), whose heartbeats go unanswered for
   ``liveness_timeout_s`` (a silent partition), or that sat unused for ``idle_close_s`` is closed
   with its monitor and reported as ``PeerLost``; the next ``send`` to that address reconnects.
+- No side-channel thread shares the engine's pinned core: the I/O thread, the ZAP thread and
+  libzmq's own threads are started with the process's whole CPU set (``_unpinned``), not the
+  one core a CPU engine binds its compute thread to (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``:
+  libgomp pins the thread that imports torch, and every thread it starts later inherits that
+  core). Heartbeats, handshakes and the inbox then keep their bounds while that core is busy.
+  Each connection also buffers as many inbound messages as its peer may queue (``RCVHWM``): a
+  reader that lags keeps decoding, so its heartbeats are still seen (libzmq stops reading a
+  connection whose inbound queue is full, and then drops it as silent at
+  ``liveness_timeout_s`` although the peer answers).
 - The I/O thread is supervised: an unexpected exception in one round is logged and the loop goes
   on; if the thread ends for any other reason than ``close``, ``failure`` says why and ``check``
   raises it (the adapters call it every step, so the engine stops serving instead of answering
@@ -57,9 +66,12 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -72,12 +84,44 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _SNDHWM = 10_000  # messages queued per connection before the channel gives up on that peer
+_RCVHWM = _SNDHWM  # messages buffered per inbound connection: what a peer may queue to us
 _MAX_FRAME = 1 + 32 + messages.MAX_MESSAGE_BYTES
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+
+
+def _all_cpus() -> set[int] | None:
+    """Every CPU this process may run on: the kernel trims the request to the process's cpuset
+    (a container's limit stays a limit; a thread pin set by ``taskset`` or libgomp does not).
+    ``None`` where threads cannot be re-pinned (not Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    return set(range(os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Run the block with the calling thread on every CPU (``_all_cpus``), then put its own
+    affinity back: threads (and libzmq's I/O threads) started inside inherit the whole set
+    instead of the engine's pinned core. The caller's thread is widened only for the block."""
+    cpus = _all_cpus()
+    own = os.sched_getaffinity(0) if cpus is not None else None
+    if cpus is not None and own is not None and cpus != own:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:  # a policy forbids it: the channel works, as pinned as its caller
+            logger.warning("side channel: its threads stay on CPUs %s: %s", sorted(own), exc)
+            own = None
+    else:
+        own = None
+    try:
+        yield
+    finally:
+        if own is not None:
+            os.sched_setaffinity(0, own)
 
 
 class SideChannelDead(RuntimeError):
@@ -152,7 +196,11 @@ class SideChannel:
         self.idle_close_s = idle_close_s
         self._curve = CurveKeys.derive(auth_key) if auth_key else None
         self._peer_log = PeerLog(logger)
-        self._ctx = zmq.Context()
+        with _unpinned():  # every thread this channel starts: see the module docstring
+            self._start(bind_host, bind_port, name)
+
+    def _start(self, bind_host: str | None, bind_port: int | None, name: str) -> None:
+        self._ctx = zmq.Context()  # its I/O threads start with the first socket, below
         self._authenticator = None
         self._outbox: collections.deque[tuple[PeerRef, bytes]] = collections.deque()
         # Two inboxes, one per role: what arrives on the bound ROUTER (peers that contact us:
@@ -235,7 +283,9 @@ class SideChannel:
     def _wake(self) -> None:
         with self._wake_lock:
             if not self._wake_send.closed:
-                self._wake_send.send(b"", zmq.NOBLOCK)
+                # thousands of wakes pending (a burst of sends): the I/O thread is due anyway
+                with contextlib.suppress(zmq.Again):
+                    self._wake_send.send(b"", zmq.NOBLOCK)
 
     def close(self) -> None:
         self._stop.set()
@@ -252,6 +302,8 @@ class SideChannel:
     def _common_options(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         # ZMTP heartbeats, answered by libzmq's own threads (no GIL): a peer that stops
         # answering for liveness_timeout_s (a silent partition) is disconnected.
         ivl_ms = max(100, int(self.liveness_timeout_s * 1000) // 5)
@@ -284,7 +336,6 @@ class SideChannel:
         if dealer is None:
             sock = self._ctx.socket(zmq.DEALER)
             self._common_options(sock)
-            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, int(self.connect_timeout_s * 1000))
             identity = self._routing_ids.setdefault((host, port), messages.new_routing_id())
             sock.setsockopt(zmq.ROUTING_ID, identity)
