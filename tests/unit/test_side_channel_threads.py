@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.netutil import free_port
-from splitserve.transfer import messages
+from splitserve.transfer import messages, side_channel
 from splitserve.transfer.side_channel import Inbound, PeerLost, PeerRef, SideChannel
 
 KEY = b"k" * 32
@@ -117,5 +117,34 @@ def test_a_reader_that_lags_keeps_a_peer_that_answers():
         assert p.stats.dropped_peers == {} and d.stats.dropped_peers == {}
     finally:
         released.set()
+        d.close()
+        p.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
+def test_a_policy_that_forbids_widening_leaves_a_working_channel(monkeypatch, caplog):
+    """A seccomp or container policy may refuse sched_setaffinity: the channel opens anyway,
+    as pinned as its caller, and says so."""
+    own = os.sched_getaffinity(0)
+
+    def refuse(pid, cpus):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    monkeypatch.setattr(side_channel, "_all_cpus", lambda: own | {max(own) + 1})
+    port = free_port()
+    p = SideChannel("127.0.0.1", port, KEY)
+    d = SideChannel(None, None, KEY)
+    try:
+        assert os.sched_getaffinity(0) == own
+        assert "threads stay on CPUs" in caplog.text
+        d.send(PeerRef(host="127.0.0.1", port=port), messages.AbortAck(transfer_id="t"))
+        got: list = []
+        end = time.monotonic() + 30
+        while not got and time.monotonic() < end:
+            got = [e for e in p.receive_bound() if isinstance(e, Inbound)]
+            time.sleep(0.02)
+        assert [e.message for e in got] == [messages.AbortAck(transfer_id="t")]
+    finally:
         d.close()
         p.close()
