@@ -10,7 +10,8 @@ Layout (one test bed, ``splitserve.launch.testbed``, built once for the module):
   proxy passes on: the host of P's URL);
 - host ``proxy``: two in-process proxies (``BackgroundProxy``, started from a thread inside
   the host's namespace, so their sockets are the host's): the concurrent flow without and with
-  the first token from P; the tests' HTTP client runs there too (``Host.entered``).
+  the first token from P; the tests' HTTP client runs there too (``Host.entered``), and
+  drives the sequential flow by hand (P's answer names its side channel, D dials it).
 
 Every engine runs with ``Host.ucx_env()`` (UCX over tcp only: between namespaces of one kernel
 UCX would otherwise copy by cma, which separate machines cannot). The servers run under the
@@ -28,7 +29,9 @@ Bounds carry slack for this loaded 2-core machine; no assertion is on speed.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ from splitserve.launch import engines
 from splitserve.launch import testbed as tbmod
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
+from splitserve.proxy import dispatch
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
 
@@ -271,6 +275,29 @@ def test_side_channel_and_kv_use_the_test_bed_addresses(xh):
     # What UCX picked for the KV's remote memory access (its proto info, in the engines' logs).
     picked = kv_protocols(xh.log("xh-p")) + kv_protocols(xh.log("xh-d"))
     assert picked and all(proto.startswith("tcp/eth0") for proto in picked), picked
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
+        return json.loads(response.read())
+
+
+def test_sequential_flow_dials_the_address_p_advertises(xh):
+    """The sequential flow by hand: P answers with ``kv_transfer_params`` naming its side
+    channel at its test-bed address (what ``side_channel_host`` binds is what P advertises),
+    and D, given them unchanged, loads the KV from there: the colocated answer."""
+    prompt = text_prompt(300, 350)
+    body = body_for(prompt)
+    tid = "xh-sequential-1"
+    first = post(xh.url("p"), dispatch.vllm_sequential_prefill_request(body, tid))
+    params = first["kv_transfer_params"]
+    assert (params["remote_host"], params["remote_port"]) == (xh.bed["p"].address, SIDE_PORT)
+    second = post(xh.url("d"), dispatch.vllm_sequential_decode_request(body, first, tid))
+    assert second["choices"][0]["text"] == colocated(xh, prompt), hints(xh)
+    kv_free(xh)
 
 
 def test_outputs_equal_colocated_under_one_percent_loss(xh):
