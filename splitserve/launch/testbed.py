@@ -311,6 +311,8 @@ class Testbed:
         check()
         remove_stale()
         self.down()  # a named owner's leftovers
+        self._loss.clear()  # a fresh bed: no nftables state of an earlier one
+        self._blocked.clear()
         try:
             _run(["ip", "netns", "add", self.switch])
             _run(["ip", "-n", self.switch, "link", "set", "lo", "up"])
