@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from splitserve.models import PRESETS, ModelSpec
 from splitserve.proxy.config import ProxyConfig, describe_validation_error
+from splitserve.transfer.layout import tp_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,26 @@ class PoolSettings(_Strict):
                 raise ValueError(
                     f"{key}: {len(given)} given for {self.count} server(s); give one each"
                 )
+        if self.tensor_parallel_size < 1:
+            raise ValueError("args: --tensor-parallel-size must be a whole number >= 1")
         return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """``--tensor-parallel-size`` (``-tp``) in ``args``, else 1 (0: not a whole number)."""
+        args = self.args
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag in ("--tensor-parallel-size", "-tp"):
+                raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+                return int(raw) if raw.isdigit() else 0
+        return 1
+
+    def side_channel_port(self, index: int) -> int | None:
+        """Server ``index``'s side channel (base) port: SplitserveConnector binds one port per
+        tensor parallel rank (base + rank), so servers are spaced by the TP size."""
+        base = self.side_channel_base_port
+        return None if base is None else base + index * self.tensor_parallel_size
 
 
 class RestartSettings(_Strict):
@@ -190,7 +210,8 @@ class Deployment(_Strict):
             ports += range(pool.base_port, pool.base_port + pool.count)
             if pool.side_channel_base_port is not None:
                 ports += range(
-                    pool.side_channel_base_port, pool.side_channel_base_port + pool.count
+                    pool.side_channel_base_port,
+                    pool.side_channel_base_port + pool.count * pool.tensor_parallel_size,
                 )
         proxy_port = self.proxy.get("port", 8000)
         ports.append(proxy_port)
@@ -201,6 +222,12 @@ class Deployment(_Strict):
             )
         if self.connector.name == "splitserve" and self.prefill.side_channel_base_port is None:
             raise ValueError("prefill.side_channel_base_port: required by the splitserve connector")
+        if self.connector.name == "splitserve":
+            mismatch = tp_mismatch(
+                self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+            )
+            if mismatch:
+                raise ValueError(f"prefill.args / decode.args: {mismatch}")
         for key in ("engine", "prefill", "decode"):
             if key in self.proxy:
                 raise ValueError(f"proxy.{key}: set by the deployment, remove it here")
@@ -298,8 +325,7 @@ def _validate_with(module: str, cls_name: str, data: dict[str, Any], where: str)
 def placeholder_side_ports(dep: Deployment) -> list[int | None]:
     """The prefill servers' side-channel ports as configured (None where the launcher chooses
     one at start): enough to build the proxy settings before the servers are planned."""
-    base = dep.prefill.side_channel_base_port
-    return [None if base is None else base + i for i in range(dep.prefill.count)]
+    return [dep.prefill.side_channel_port(i) for i in range(dep.prefill.count)]
 
 
 def proxy_config_for(

@@ -186,11 +186,9 @@ def plan_servers(
         pool: PoolSettings = getattr(dep, role)
         for i in range(pool.count):
             port = pool.base_port + i
-            side = (
-                pool.side_channel_base_port + i
-                if pool.side_channel_base_port is not None
-                else free_port(HOST)
-            )
+            side = pool.side_channel_port(i)
+            if side is None:
+                side = free_port(HOST)
             core = pool.cpu_cores[i] if pool.cpu_cores is not None else None
             gpu_env = {"CUDA_VISIBLE_DEVICES": pool.gpus[i]} if pool.gpus is not None else {}
             cmd = server_command(

@@ -16,6 +16,10 @@ Invariants:
   The last ``aux_layers`` layers are not KV: they hold one row per request slot (engine metadata
   such as the first output token, SGLang's ``aux`` buffers) and travel once per transfer, with
   DONE. ``num_kv_layers`` and ``num_blocks`` speak of the KV layers only.
+- Tensor parallel: a layout describes one rank's shard (its KV heads). Two layouts exchange
+  blocks only if they are the same shard: equal ``tp_size`` and ``tp_rank`` (checked first, so a
+  prefill and a decode server of different tensor parallel sizes are refused with both sizes
+  named, not with a run-length mismatch). A layout of an engine without TP says 1 and 0.
 """
 
 from __future__ import annotations
@@ -29,6 +33,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MemoryKind = Literal["DRAM", "VRAM"]
 # A peer's cache may be larger than ours (a decode server with more memory), up to this factor.
 PEER_BLOCKS_FACTOR = 16
+
+
+def tp_mismatch(prefill_tp: int, decode_tp: int) -> str | None:
+    """Why a prefill server of tensor parallel size ``prefill_tp`` cannot feed a decode server
+    of size ``decode_tp`` (None when it can): both sizes named, for start-up checks and refusals."""
+    if prefill_tp == decode_tp:
+        return None
+    return (
+        f"prefill tensor parallel size {prefill_tp} != decode tensor parallel size {decode_tp}: "
+        "prefill and decode need equal sizes (heterogeneous TP is not supported yet)"
+    )
 
 
 class LayerLayout(BaseModel):
@@ -61,12 +76,22 @@ class KVLayout(BaseModel):
     aux_layers: int = Field(
         0, ge=0, description="the last this many layers are per-request rows, not KV blocks"
     )
+    tp_size: int = Field(1, ge=1, le=1024, description="tensor parallel size of the engine")
+    tp_rank: int = Field(0, ge=0, le=1023, description="the rank whose KV heads these are")
 
     @model_validator(mode="after")
     def _some_kv_layers(self) -> KVLayout:
         if self.aux_layers >= len(self.layers):
             raise ValueError(f"{self.aux_layers} aux layers leave no KV layer")
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tensor parallel size {self.tp_size}")
         return self
+
+    def wire(self) -> dict:
+        """The layout as HELLO and HELLO_ACK carry it (JSON types); without the tensor parallel
+        fields when there is no TP, so a peer that predates them still accepts it."""
+        no_tp = self.tp_size == 1
+        return self.model_dump(mode="json", exclude={"tp_size", "tp_rank"} if no_tp else None)
 
     @property
     def num_kv_layers(self) -> int:
@@ -83,6 +108,17 @@ class KVLayout(BaseModel):
 
     def incompatibility(self, other: KVLayout) -> str | None:
         """Why blocks cannot be copied between ``self`` and ``other`` (None when they can)."""
+        if self.tp_size != other.tp_size:
+            return (
+                f"tensor parallel size {self.tp_size} here, {other.tp_size} at the peer: prefill "
+                "and decode servers must use the same tensor parallel size (heterogeneous TP is "
+                "not supported yet)"
+            )
+        if self.tp_rank != other.tp_rank:
+            return (
+                f"tensor parallel rank {self.tp_rank} here, {other.tp_rank} at the peer (of size "
+                f"{self.tp_size}): rank r talks only to rank r (side channel port base + r)"
+            )
         if self.block_size != other.block_size:
             return f"block size {self.block_size} != peer's {other.block_size}"
         if len(self.layers) != len(other.layers):
@@ -173,8 +209,11 @@ def layer_layout_from_tensor(tensor, num_blocks: int) -> LayerLayout:
     )
 
 
-def kv_layout_from_tensors(tensors: Sequence, num_blocks: int, block_size: int) -> KVLayout:
-    """Layout of a KV cache given as one tensor per layer (in layer order)."""
+def kv_layout_from_tensors(
+    tensors: Sequence, num_blocks: int, block_size: int, tp_size: int = 1, tp_rank: int = 0
+) -> KVLayout:
+    """Layout of a KV cache given as one tensor per layer (in layer order); with tensor
+    parallelism, of rank ``tp_rank``'s shard."""
     if not tensors:
         raise ValueError("no KV tensors to describe")
     device = tensors[0].device
@@ -185,4 +224,6 @@ def kv_layout_from_tensors(tensors: Sequence, num_blocks: int, block_size: int) 
         memory=memory,
         device_id=device_id,
         layers=tuple(layer_layout_from_tensor(t, num_blocks) for t in tensors),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
     )

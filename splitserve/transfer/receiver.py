@@ -106,7 +106,7 @@ class KVReceiver:
             hello = messages.Hello(
                 agent_name=self.agent.name,
                 agent_metadata=self.agent.metadata(),
-                layout=self.agent.layout.model_dump(),
+                layout=self.agent.layout.wire(),
                 target=f"{host}:{int(port)}",
                 host=strategy.host_identity(),
             )

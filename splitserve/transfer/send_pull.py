@@ -66,7 +66,7 @@ class PullSending(SendStrategy):
             agent_name=self.agent.name,
             direction="pull",
             agent_metadata=self.agent.metadata(),
-            layout=self.agent.layout.model_dump(mode="json"),
+            layout=self.agent.layout.wire(),
         )
 
     def registered(self, out: Outgoing) -> None:

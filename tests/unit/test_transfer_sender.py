@@ -421,7 +421,7 @@ def test_pull_hello_ack_carries_metadata_and_layout():
     sender.poll()
     (ack,) = sent_of(channel, messages.HelloAck)
     assert ack.direction == "pull" and ack.agent_metadata == b"meta"
-    assert ack.layout == LAYOUT.model_dump(mode="json")
+    assert ack.layout == LAYOUT.wire()
     push = KVSender(agent, channel, lease_s=5)
     channel.inbox.append(Inbound(PEER, hello))
     push.poll()

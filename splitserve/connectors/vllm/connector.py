@@ -3,9 +3,12 @@
 vLLM builds this class twice: in the engine-core process with role SCHEDULER (every hook
 forwards to ``scheduler.SplitserveScheduler``: bookkeeping, no I/O) and in each worker process
 with role WORKER (every hook forwards to ``worker.SplitserveWorker``: NIXL, the side channel,
-per-layer posting). ``metadata.py`` is what crosses between them each step, ``stats.py`` what
-goes to metrics, ``config.py`` the validated ``kv_connector_extra_config``. The protocol itself
-(messages, states, failure rules) is in ``splitserve.transfer`` and docs/connector-protocol.md.
+per-layer posting); with tensor parallelism, once per rank, each rank with its own agent and
+side channel port (``ranks.py``; vLLM's ``KVOutputAggregator`` reports a request finished only
+when every rank did, and failed when any rank did). ``metadata.py`` is what crosses between
+them each step, ``stats.py`` what goes to metrics, ``config.py`` the validated
+``kv_connector_extra_config``. The protocol itself (messages, states, failure rules) is in
+``splitserve.transfer`` and docs/connector-protocol.md.
 
 Select it with ``--kv-transfer-config '{"kv_connector": "SplitserveConnector", "kv_role":
 "kv_both", "kv_connector_extra_config": {"side_channel_port": 5701}}'`` once the
@@ -28,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from splitserve.connectors.vllm.config import parse_connector_config
 from splitserve.connectors.vllm.metadata import SplitserveConnectorMetadata
+from splitserve.connectors.vllm.ranks import Ranks, check_parallel
 from splitserve.connectors.vllm.scheduler import SplitserveScheduler
 from splitserve.connectors.vllm.stats import SplitserveKVConnectorStats, SplitservePromMetrics
 
@@ -77,15 +81,32 @@ class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{len(groups)} (hybrid attention / Mamba layers are not supported yet)"
             )
         block_size = groups[0].kv_cache_spec.block_size
+        parallel = vllm_config.parallel_config
+        ranks = check_parallel(
+            tensor_parallel=parallel.tensor_parallel_size,
+            pipeline_parallel=parallel.pipeline_parallel_size,
+            data_parallel=parallel.data_parallel_size,
+            decode_context_parallel=getattr(parallel, "decode_context_parallel_size", 1),
+            prefill_context_parallel=getattr(parallel, "prefill_context_parallel_size", 1),
+            side_channel_port=self.config.side_channel_port,
+        )
         self._scheduler: SplitserveScheduler | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SplitserveScheduler(self.config, block_size)
+            self._scheduler = SplitserveScheduler(self.config, block_size, ranks)
         else:
             from splitserve.connectors.vllm.worker import SplitserveWorker
 
+            if ranks.size > 1:  # each worker process is one rank (its own agent and port)
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                ranks = Ranks(ranks.size, get_tensor_model_parallel_rank())
             self._worker = SplitserveWorker(
-                self.config, str(transfer_config.engine_id), kv_cache_config.num_blocks, block_size
+                self.config,
+                str(transfer_config.engine_id),
+                kv_cache_config.num_blocks,
+                block_size,
+                ranks,
             )
 
     # -- class-level answers ------------------------------------------------------------------

@@ -40,6 +40,7 @@ class ReceiveParams:
     remote_host: str
     remote_port: int
     first_token_from_prefill: bool = False
+    remote_tp_size: int | None = None  # P's tensor parallel size, when the params say it
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,12 @@ def receive_params(params: Any, allowlist: PeerAllowlist | None = None) -> Recei
             "remote_port", f"remote_port must be an int in 1..65535, got {_shown(port)}"
         )
     first = _flag(params, "first_token_from_prefill")
-    return ReceiveParams(_transfer_id(params, required=True), host, port, first)
+    tp = params.get("remote_tp_size")
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 0 < tp <= 1024):
+        raise KVParamsError(
+            "remote_tp_size", f"remote_tp_size must be an int in 1..1024, got {_shown(tp)}"
+        )
+    return ReceiveParams(_transfer_id(params, required=True), host, port, first, tp)
 
 
 def produce_params(params: Any) -> ProduceParams | None:

@@ -21,6 +21,12 @@ more than is computed, so vLLM computes only that token's position and samples t
 second token. The client's first token is P's (the proxy streams it); D never recomputes a
 prompt token. A load without its token, or a request without room for a second token, fails.
 
+Tensor parallel: one scheduler half for all ranks (vLLM has one engine core). Each rank's
+worker gets the same metadata and acts for its rank (``ranks.py``); vLLM reports a request
+finished only when every rank did, failed when any did. P's answer carries its size
+(``remote_tp_size``); a D whose size differs fails such a request at once, naming both sizes.
+FIRST_TOKEN goes to every rank's side channel (each rank's D waits for it).
+
 P (``do_remote_decode``): the request is announced to the worker with ``ProduceStart``; each
 step it is scheduled in adds a ``ProduceStep`` (block table, tokens complete after the step);
 ``request_finished`` keeps the blocks (``delay_free``), answers ``kv_transfer_params`` naming
@@ -67,6 +73,8 @@ from splitserve.connectors.vllm.params import (
     receive_params,
     tokens_to_receive,
 )
+from splitserve.connectors.vllm.ranks import Ranks
+from splitserve.transfer.layout import tp_mismatch
 from splitserve.transfer.messages import FirstToken
 from splitserve.transfer.side_channel import PeerRef, SideChannel
 
@@ -112,14 +120,17 @@ class _Tracked:
 class SplitserveScheduler:
     """The scheduler-side state of one engine (see module docstring)."""
 
-    def __init__(self, config: SplitserveConnectorConfig, block_size: int) -> None:
+    def __init__(
+        self, config: SplitserveConnectorConfig, block_size: int, ranks: Ranks | None = None
+    ) -> None:
         self.config = config
         self.block_size = block_size
+        self.ranks = ranks or Ranks()
         self.kv_cache_manager: KVCacheManager | None = None
         self._meta = SplitserveConnectorMetadata()
         self._requests: dict[str, _Tracked] = {}  # by vLLM request id
         self._relay: SideChannel | None = None  # P: FIRST_TOKEN to our own side channel
-        self._relay_peer: PeerRef | None = None
+        self._relay_peers: list[PeerRef] = []  # every rank's side channel
 
     def _phase(self, req_id: str) -> Phase | None:
         tracked = self._requests.get(req_id)
@@ -166,6 +177,14 @@ class SplitserveScheduler:
         tracked = _Tracked(Phase.LOADED, request, params.transfer_id, params)
         self._requests[req_id] = tracked
         first = params.first_token_from_prefill
+        mismatch = None
+        if params.remote_tp_size is not None:
+            mismatch = tp_mismatch(params.remote_tp_size, self.ranks.size)
+        if mismatch is not None:
+            logger.error("request %s: failing it: %s", req_id, mismatch)
+            self._meta.receive_release.append(_release(params))
+            self._meta.receive_fail.append(req_id)
+            return
         if first and (request.prompt_token_ids is None or request.max_tokens < 2):
             # No room for a token of D's own after P's (or a prompt of embeddings): fail the
             # load rather than emit a token the client must not get.
@@ -297,25 +316,26 @@ class SplitserveScheduler:
                 "transfer_id": transfer_id,
                 "remote_host": self.config.side_channel_host,
                 "remote_port": self.config.side_channel_port,
+                "remote_tp_size": self.ranks.size,
             }
         reason = f"prefill request ended with status {request.status.name}"
         self._meta.produce_end.append(ProduceEnd(req_id, transfer_id, True, reason))
         return True, None
 
     def _send_first_token(self, transfer_id: str, token: int) -> None:
-        """To our own worker's side channel, which relays it to D if D asked for it."""
+        """To our own workers' side channels (one per rank), which relay it to D if D asked."""
         if self._relay is None:
             host = self.config.side_channel_host
             connect = "127.0.0.1" if host in ("0.0.0.0", "*", "") else host
-            self._relay_peer = PeerRef(host=connect, port=self.config.side_channel_port)
+            ports = self.ranks.all_ports(self.config.side_channel_port)
+            self._relay_peers = [PeerRef(host=connect, port=port) for port in ports]
             self._relay = SideChannel(
                 None, None, self.config.load_auth_key(), name="splitserve-first-token"
             )
         self._relay.receive_connected()  # nothing answers; drop a PeerLost at shutdown
-        self._relay.send(
-            self._relay_peer,
-            FirstToken(transfer_id=transfer_id, token=token, sampled_wall=time.time()),
-        )
+        message = FirstToken(transfer_id=transfer_id, token=token, sampled_wall=time.time())
+        for peer in self._relay_peers:
+            self._relay.send(peer, message)
 
     def shutdown(self) -> None:
         if self._relay is not None:

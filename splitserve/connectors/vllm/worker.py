@@ -1,9 +1,10 @@
 """SplitserveConnector, worker half: NIXL, the side channel and the layers, in vLLM's worker.
 
 Owns this worker's ``KVAgent`` (its KV cache registered with NIXL), the ZMQ side channel bound to
-the configured host and port, a ``KVSender`` (this server as P) and a ``KVReceiver`` (this server
-as D): every server is both (``kv_both``). It applies the scheduler half's metadata at the start
-of each step and reports settled transfers back through ``get_transfer_results``.
+the configured host and port (plus this worker's tensor parallel rank: ``ranks.py``), a
+``KVSender`` (this server as P) and a ``KVReceiver`` (this server as D): every server is both
+(``kv_both``). It applies the scheduler half's metadata at the start of each step and reports
+settled transfers back through ``get_transfer_results``.
 
 Per step (vLLM's order): ``bind`` (metadata: starts, ends, block tables) -> forward, with
 ``save_kv_layer`` after each attention layer (post that layer's completed blocks) ->
@@ -18,6 +19,12 @@ before posting (``transfer.layer_poster.LayerPoster``, shared with ``benchmarks/
 ``wait_for_save`` drains that thread before the step ends. The poster runs in the suite with
 host events (``gpu_proof --device cpu``); this GPU path inside vLLM is reviewed, not run (no GPU
 on our machines).
+
+Tensor parallel: vLLM runs one worker per rank, each with this object; every rank gets the same
+metadata (the same block ids: one block table for all ranks) and moves its own KV heads with
+the same rank of the peer (D dials ``remote_port + rank``). Each rank reports its own settled
+transfers; vLLM's ``KVOutputAggregator`` reports a request finished only once every rank did
+and failed if any rank failed it, so nothing here counts ranks.
 
 State: one ``_Transfer`` record per transfer, keyed by ``(Side, transfer_id)`` (the ids the
 sender and receiver report back; the side because a ``kv_both`` server may be P and D of one
@@ -50,6 +57,7 @@ from splitserve.connectors.vllm.metadata import (
     SplitserveConnectorMetadata,
     SplitserveWorkerMetadata,
 )
+from splitserve.connectors.vllm.ranks import Ranks
 from splitserve.connectors.vllm.stats import COUNTERS, HANDOFF, SplitserveKVConnectorStats
 from splitserve.transfer import strategy
 from splitserve.transfer.agent import KVAgent
@@ -98,9 +106,15 @@ class SplitserveWorker:
     """The worker-side state of one worker process (see module docstring)."""
 
     def __init__(
-        self, config: SplitserveConnectorConfig, engine_id: str, num_blocks: int, block_size: int
+        self,
+        config: SplitserveConnectorConfig,
+        engine_id: str,
+        num_blocks: int,
+        block_size: int,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = config
+        self.ranks = ranks or Ranks()
         self.engine_id = engine_id
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -125,11 +139,14 @@ class SplitserveWorker:
         names = list(kv_caches)
         tensors = [kv_caches[name] for name in names]
         self._layer_index = {name: i for i, name in enumerate(names)}
-        layout = kv_layout_from_tensors(tensors, self.num_blocks, self.block_size)
+        ranks = self.ranks
+        layout = kv_layout_from_tensors(
+            tensors, self.num_blocks, self.block_size, ranks.size, ranks.rank
+        )
         transport = strategy.transport_of()
         direction = strategy.effective(transport, layout.memory, self.config.direction)
         preferred = strategy.choose(transport, layout.memory)
-        name = f"splitserve-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        name = f"splitserve-{self.engine_id}-r{ranks.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = KVAgent(
             name,
             layout,
@@ -137,8 +154,9 @@ class SplitserveWorker:
             backends=self.config.nixl_backends,
         )
         key = self.config.load_auth_key()
+        port = ranks.port(self.config.side_channel_port)
         self.channel = SideChannel(
-            self.config.side_channel_host, self.config.side_channel_port, key, name="splitserve-sc"
+            self.config.side_channel_host, port, key, name=f"splitserve-sc-r{ranks.rank}"
         )
         self.sender = KVSender(
             self.agent,
@@ -158,15 +176,18 @@ class SplitserveWorker:
                 self.sender.layer_done, self._lock, on_start=cuda_device(layout.device_id)
             )
         logger.info(
-            "SplitserveConnector worker: %d layers, %d blocks of %d tokens (%d bytes/block all "
-            "layers), %s memory, side channel %s:%s (%s), transport %s, direction %s%s",
+            "SplitserveConnector worker (tensor parallel rank %d of %d): %d layers, %d blocks of "
+            "%d tokens (%d bytes/block all layers), %s memory, side channel %s:%s (%s), "
+            "transport %s, direction %s%s",
+            ranks.rank,
+            ranks.size,
             len(names),
             layout.num_blocks,
             self.block_size,
             layout.bytes_per_block_all_layers,
             layout.memory,
             self.config.side_channel_host,
-            self.config.side_channel_port,
+            port,
             "authenticated: CurveZMQ under the deployment key" if key else "NO KEY: open",
             transport,
             direction.value,
@@ -224,14 +245,16 @@ class SplitserveWorker:
                 receiver.expect(
                     start.transfer_id,
                     start.side_channel_host,
-                    start.side_channel_port,
+                    self.ranks.port(start.side_channel_port),
                     start.block_ids,
                     start.token_offset,
                     start.first_token,
                 )
             for release in meta.receive_release:
                 receiver.release_remote(
-                    release.transfer_id, release.side_channel_host, release.side_channel_port
+                    release.transfer_id,
+                    release.side_channel_host,
+                    self.ranks.port(release.side_channel_port),
                 )
             outbox.failed.update(meta.receive_fail)
             for abort in meta.receive_abort:

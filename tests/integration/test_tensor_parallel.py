@@ -1,0 +1,319 @@
+"""SplitserveConnector with tensor parallelism on real vLLM CPU servers (issue #17).
+
+Three servers of one tiny model with 4 KV heads (so TP 1, 2 and 4 divide them), all
+``kv_both`` with our connector and the test key, started once for this module:
+
+- ``tp-p`` and ``tp-d``: tensor parallel 2 (vLLM's multiprocessing executor: two worker
+  processes each). Rank r binds its side channel on base + r; D's rank r dials P's rank r.
+- ``tp-ref``: tensor parallel 1. Without ``kv_transfer_params`` it is a colocated server, the
+  reference every disaggregated answer must equal (greedy tokens and logprobs); with them it
+  is the other size in the refusal checks.
+
+On our 2 cores the five engine processes run unpinned with one OpenMP thread each (two
+engines pinned to one core missed the side channel's bounds: docs/connector-protocol.md).
+A D waiting for KV steps continuously, and with TP 2 every step is a broadcast that its two
+workers poll for: ``tp-d`` runs niced (``D_NICE``) so that it does not starve P's ranks (one
+run under a load average of 11 failed: P's prefill of 127 tokens took 10 s and its side
+channels missed D's 5 s heartbeat bound).
+What vLLM CPU needs for TP 2 here is in docs/connector-protocol.md, "Ranks".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from metrics_text import fetch_metrics, metric_sum
+from session_keys import TEST_KEY
+from session_keys import test_key_file as key_file
+
+from splitserve.models import build_model, resolve_spec
+from splitserve.proxy import dispatch
+from splitserve.proxy.background import BackgroundProxy
+from splitserve.proxy.config import build_config
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128
+MAX_TOKENS = 6
+BUDGET = 512  # P's --max-num-batched-tokens: a 1300-token prompt is three chunks
+UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+REQUEST_TIMEOUT = 300.0
+LEASE_S = 20
+D_NICE = 10
+
+
+def _free_run(count: int) -> int:
+    """A base port with ``count`` consecutive free ports (one side channel per rank)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no run of {count} free ports")
+
+
+def _kv_config(side_port: int) -> dict:
+    return {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "side_channel_port": side_port,
+            "auth_key_file": key_file(TEST_KEY),
+            "lease_s": LEASE_S,
+            "done_timeout_s": 300,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
+    """key -> (url, side channel base port) for ``tp-p``, ``tp-d`` and ``tp-ref``; ``logs``
+    -> each key's server log."""
+    model = build_model(
+        resolve_spec("tiny", num_kv_heads=4), tmp_path_factory.mktemp("models") / "tiny-kv4"
+    )
+    sizes = {"tp-p": 2, "tp-d": 2, "tp-ref": 1}
+    sides: dict[str, int] = {}
+    for key, size in sizes.items():
+        sides[key] = _free_run(size)
+        servers.vllm(
+            key,
+            Path(model),
+            kv_transfer_config=_kv_config(sides[key]),
+            extra_args=[
+                "--max-model-len",
+                "2048",
+                "--max-num-batched-tokens",
+                str(BUDGET),
+                "--tensor-parallel-size",
+                str(size),
+                "--distributed-executor-backend",
+                "mp",
+            ],
+            env=UNPINNED,
+            wait=False,
+            nice=D_NICE if key == "tp-d" else 0,
+        )
+    servers.wait_all(*sizes)
+    out: dict = {"logs": {}}
+    for key in sizes:
+        server = servers.group.servers[key]
+        out["logs"][key] = Path(server.process.log_path)
+        argv = server.process.argv
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        out[key] = (server.url, int(config["kv_connector_extra_config"]["side_channel_port"]))
+    return out
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> dict:
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+
+
+def body_for(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(length)]
+
+
+def tokens(answer: dict) -> tuple[list[int], list[float]]:
+    assert "choices" in answer, f"no completion: {answer}"
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> None:
+    got_ids, got_lp = tokens(answer)
+    ref_ids, ref_lp = ref
+    assert got_ids == ref_ids, f"{what}: tokens {got_ids} != colocated TP 1 {ref_ids}"
+    for got, want in zip(got_lp, ref_lp, strict=True):
+        assert abs(got - want) < 1e-2, f"{what}: logprobs {got_lp} != colocated {ref_lp}"
+
+
+def concurrent(p, d, prompt, first_token: bool = False) -> dict:
+    """The proxy's concurrent flow by its own dispatch functions; with ``first_token`` the
+    answer is P's token followed by D's, as the proxy stitches them."""
+    (p_url, p_side), (d_url, _) = p, d
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side, first_token
+    )
+    with ThreadPoolExecutor(2) as pool:
+        p_future = pool.submit(post, p_url, prefill)
+        d_future = pool.submit(post, d_url, decode)
+        p_answer, d_answer = p_future.result(), d_future.result()
+    assert "choices" in p_answer, p_answer
+    if not first_token or "choices" not in d_answer:
+        return d_answer
+    head, rest = p_answer["choices"][0], d_answer["choices"][0]
+    lp = head["logprobs"]["token_logprobs"] + rest["logprobs"]["token_logprobs"]
+    choice = {"token_ids": head["token_ids"] + rest["token_ids"], "logprobs": {}}
+    choice["logprobs"]["token_logprobs"] = lp
+    return {"choices": [choice]}
+
+
+def wait_kv_usage_zero(url: str, bound: float = 3.0 * LEASE_S) -> None:
+    end = time.monotonic() + bound
+    usage = None
+    while time.monotonic() < end:
+        usage = metric_sum(fetch_metrics(url), "vllm:kv_cache_usage_perc")
+        if usage == 0.0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{url}: KV cache usage {usage} did not return to 0 (leak)")
+
+
+def failed_loads(url: str) -> float:
+    return metric_sum(fetch_metrics(url), "vllm:splitserve_loads_failed_total")
+
+
+def wait_metric(url: str, name: str, want: float, bound: float = 30.0) -> None:
+    """``name`` on ``url`` reaches ``want`` (stats arrive with the engine's next steps)."""
+    end = time.monotonic() + bound
+    got = None
+    while time.monotonic() < end:
+        got = metric_sum(fetch_metrics(url), name)
+        if got >= want:
+            break
+        time.sleep(0.5)
+    assert got == want, f"{url}: {name} {got} != {want}"
+
+
+def log_text(tp, key: str) -> str:
+    return tp["logs"][key].read_text(errors="replace")
+
+
+LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 1300]
+
+
+# -- P TP 2 -> D TP 2 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_token", [False, True], ids=["concurrent", "first-token"])
+def test_tp2_to_tp2_equals_colocated_tp1(tp, first_token):
+    """Every rank moves its own heads: a wrong or missing rank shows in tokens and logprobs;
+    each load is counted once per rank (two per request), so both ranks transferred."""
+    p, d, ref = tp["tp-p"], tp["tp-d"], tp["tp-ref"]
+    loads = "vllm:splitserve_loads_completed_total"
+    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
+    seed = 9000 + 100 * first_token
+    for i, length in enumerate(LENGTHS):
+        prompt = prompt_of(length, seed + i)
+        answer = concurrent(p, d, prompt, first_token)
+        assert_same(answer, tokens(post(ref[0], body_for(prompt))), f"{length} tokens")
+    # A one-token prompt has nothing to load unless P's first token comes with the KV.
+    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
+    wait_metric(d[0], loads, loaded + 2 * requests_loaded)
+    assert failed_loads(d[0]) == before
+    text = log_text(tp, "tp-d")
+    assert "tensor parallel rank 0 of 2" in text and "tensor parallel rank 1 of 2" in text
+
+
+def test_sequential_flow_names_the_prefill_tp_size(tp):
+    """P's answer carries ``remote_tp_size``; D of the same size registers on both ranks."""
+    (p_url, _), (d_url, _), (ref_url, _) = tp["tp-p"], tp["tp-d"], tp["tp-ref"]
+    prompt = prompt_of(300, 9300)
+    body = body_for(prompt)
+    p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body))
+    params = p_answer.get("kv_transfer_params")
+    assert params and params["remote_tp_size"] == 2, p_answer
+    answer = post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer))
+    assert_same(answer, tokens(post(ref_url, body)), "sequential")
+
+
+def test_through_the_proxy_both_concurrent_flows(tp):
+    (p_url, p_side), (d_url, _), (ref_url, _) = tp["tp-p"], tp["tp-d"], tp["tp-ref"]
+    for first in (False, True):
+        config = build_config(
+            {
+                "port": 0,
+                "flow": "concurrent",
+                "first_token_from_prefill": first,
+                "prefill": [{"url": p_url, "side_channel_port": p_side}],
+                "decode": [{"url": d_url}],
+            }
+        )
+        with BackgroundProxy(config) as proxy:
+            for i, length in enumerate([129, 1300]):
+                prompt = prompt_of(length, 9400 + 10 * first + i)
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+                want = post(ref_url, body)["choices"][0]["text"]
+                got = post(proxy.url, body)
+                assert got["choices"][0]["text"] == want, f"first_token={first}, {length}"
+    wait_kv_usage_zero(p_url)
+    wait_kv_usage_zero(d_url)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_a_decode_of_another_tp_size_fails_the_request_naming_both_sizes(tp):
+    """Sequential flow: P TP 2's answer says its size; D TP 1 fails the request at once (an
+    error, never a hang or a local answer) and P frees on every rank."""
+    (p_url, _), (ref_url, _) = tp["tp-p"], tp["tp-ref"]
+    body = body_for(prompt_of(200, 9500))
+    p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body))
+    start = time.monotonic()
+    answer = post(ref_url, dispatch.vllm_sequential_decode_request(body, p_answer), timeout=60)
+    assert "choices" not in answer, answer
+    assert time.monotonic() - start < 30
+    text = log_text(tp, "tp-ref")
+    assert "prefill tensor parallel size 2 != decode tensor parallel size 1" in text
+    wait_kv_usage_zero(ref_url)
+    wait_kv_usage_zero(p_url)  # D released the transfer (rank 0) / the lease (rank 1)
+
+
+@pytest.mark.parametrize(("p_key", "d_key"), [("tp-ref", "tp-d"), ("tp-p", "tp-ref")])
+def test_concurrent_flow_across_tp_sizes_is_refused_at_hello(tp, p_key, d_key):
+    """The proxy does not know P's size: the ranks' HELLO is refused by P (layouts name their
+    shard), so D's request fails within the side channel's bounds, never a garbage answer."""
+    p, d = tp[p_key], tp[d_key]
+    before = failed_loads(d[0])
+    start = time.monotonic()
+    answer = concurrent(p, d, prompt_of(200, 9600 + len(p_key)))
+    assert "choices" not in answer, answer
+    assert time.monotonic() - start < 60
+    assert failed_loads(d[0]) > before
+    sizes = {"tp-ref": 1, "tp-p": 2, "tp-d": 2}
+    named = f"tensor parallel size {sizes[p_key]} here, {sizes[d_key]} at the peer"
+    assert named in log_text(tp, d_key), "D's failed load names both sizes (P's refusal)"
+    wait_kv_usage_zero(d[0])
+    wait_kv_usage_zero(p[0])
