@@ -12,26 +12,54 @@ and stopped at the end of the module), never the shared pair. "While it streams"
 not timed: the kill happens once the prefill server logged the first chunk of the request, which
 it only computes after the decode server registered (SGLang prefills a PD request once bootstrap
 is done), and the prompt is 40 chunks long.
+
+The SGLang rows of the fault matrix (issue #20; tests/integration/test_fault_matrix.py has the
+vLLM rows, whose pass criterion these share: every request ends within its bound with a clear
+error or the single server's greedy answer, KV usage on P and D is back to its baseline within
+the lease, the next request is correct), each through our proxy (``splitserve proxy --engine
+sglang``, what users run in front of a pair) over ``sglang-fail-p1`` / ``sglang-fail-d2``:
+
+- clients that go away at a random point in 0-3 s of a ~4,000-token streamed prompt
+  (``ROUNDS`` times, ``SPLITSERVE_FAULT_ROUNDS`` lowers it);
+- P SIGKILLed while D holds its registration, restarted on its same HTTP and bootstrap ports
+  (a new side-channel port, which D learns from the bootstrap server): only the request in
+  flight fails, the next ones are correct, D is never restarted;
+- P or D frozen (SIGSTOP of its whole tree) for longer than ``SPLITSERVE_SGLANG_LEASE_S``,
+  then resumed.
+
+The reference is a single SGLang server (key ``sglang-single``, the same command line as
+tests/integration/test_sglang_pd.py's, so a session shares it) chunking by the same ``CHUNK``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import os
 import random
+import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
+from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 
 pytest.importorskip("sglang")
 
 from splitserve.launch.engines import sglang_server  # noqa: E402
 from splitserve.netutil import free_port, free_ports  # noqa: E402
+from splitserve.proxy.background import BackgroundProxy  # noqa: E402
+from splitserve.proxy.config import build_config  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -39,8 +67,20 @@ CHUNK = 64
 LONG = 40 * CHUNK
 START_TIMEOUT = 600.0
 WAIT_S = 300.0  # bound on every wait below (a loaded 2-core machine is slow, never hung)
-ENV = {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "120", "SPLITSERVE_SGLANG_LEASE_S": "120"}
+LEASE_S = 10.0  # small, so that a freeze can outlast it (docs/sglang.md, "Failures")
+ENV = {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "120", "SPLITSERVE_SGLANG_LEASE_S": str(LEASE_S)}
+# D's own heartbeats to P's bootstrap server (SGLang's, 5 s by default) are stretched past any
+# test: a D must recover from a P restarted on its ports through our backend alone (a fast
+# restart answers those heartbeats again before they count P lost).
+D_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "3600"}
 CHUNK_MARK = f"#new-token: {CHUNK},"
+FAULT_LONG = 62 * CHUNK  # 3,968 tokens: the matrix's ~4,000-token prompt
+MAX_TOKENS = 8
+REQUEST_S = 120.0  # the proxy's total_s: bound on one request (a loaded 2-core machine)
+KV_BOUND_S = LEASE_S + 60  # KV back to baseline: the lease, plus slack for a loaded machine
+# Client disconnects (the issue's 20 rounds; the vLLM matrix reads the same variable).
+ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "20"))
+P_KEY, D_KEY, SINGLE = "sglang-fail-p1", "sglang-fail-d2", "sglang-single"
 
 
 class Pair:
@@ -52,11 +92,13 @@ class Pair:
         self.bootstrap: dict[str, int] = {}
 
     def start(self, key: str, mode: str) -> None:
+        env = {**ENV, **key_env()}
         if mode == "prefill":
             port, bootstrap = free_ports(2)
             self.bootstrap[key] = bootstrap
         else:
             port, bootstrap = free_port(), None
+            env |= D_ENV
         cmd = sglang_server(
             self.model,
             port,
@@ -65,7 +107,7 @@ class Pair:
             bootstrap_port=bootstrap,
             served_model_name="tiny",
             chunked_prefill_size=CHUNK,
-            env={**ENV, **key_env()},
+            env=env,
         )
         self.group.add(key, cmd.argv, port=port, env=cmd.env)
         self.keys.append(key)
@@ -80,20 +122,48 @@ class Pair:
         return (self.group.log_dir / f"{key}.log").read_text(errors="replace")
 
     def kill(self, key: str) -> None:
-        """SIGKILL the server's whole process tree (a crash, no clean shutdown)."""
-        server = self.group.servers.pop(key)
-        root = psutil.Process(server.process.pid)
-        procs = [root, *root.children(recursive=True)]
+        """SIGKILL the server's whole process tree (a crash, no clean shutdown); it leaves the
+        group."""
+        self.crash(key)
+        self.group.servers.pop(key).process.stop()  # reaps what is left, closes the log
+
+    def crash(self, key: str) -> None:
+        """SIGKILL the server's whole tree, keeping it in the group for ``restart``."""
+        procs = self.tree(key)
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         psutil.wait_procs(procs, timeout=30)
-        server.process.stop()  # reaps what is left, closes the log
+
+    def restart(self, key: str) -> None:
+        """Start it again with its same command line: same HTTP and bootstrap ports."""
+        self.group.restart(key, note="restarted by test_sglang_failures")
+
+    def tree(self, key: str) -> list[psutil.Process]:
+        root = psutil.Process(self.group.servers[key].process.pid)
+        return [root, *root.children(recursive=True)]
+
+    def signal(self, key: str, sig: int) -> None:
+        for proc in self.tree(key):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(sig)
+
+    def ensure(self, key: str, mode: str) -> None:
+        """The server running (started, or restarted when a failed test left it dead)."""
+        server = self.group.servers.get(key)
+        if server is None:
+            self.start(key, mode)
+        elif not server.process.alive():
+            self.restart(key)
 
     def stop_all(self) -> None:
         for key in self.keys:
             server = self.group.servers.pop(key, None)
             if server is not None:
+                with contextlib.suppress(psutil.Error, TypeError):  # a frozen tree: wake it
+                    root = psutil.Process(server.process.pid)
+                    for proc in [root, *root.children(recursive=True)]:
+                        proc.send_signal(signal.SIGCONT)
                 server.process.stop()
 
 
@@ -221,3 +291,268 @@ def test_prefill_killed_decode_request_ends_with_an_error(pair):
         assert resp.status == 200
     after = Request(pair, "sglang-fail-p1", "sglang-fail-d2", short).join()["sglang-fail-d2"]
     assert after[0] == 200 and after[1]["output_ids"] == before[1]["output_ids"], (before, after)
+
+
+# -- the fault matrix's SGLang rows (issue #20), through our proxy ----------------------------
+
+
+@dataclass
+class Outcome:
+    """How a request through the proxy ended: ``text`` (an answer) or ``error`` (status and
+    body, or the SSE error event), and how long it took."""
+
+    status: int = 0
+    text: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        """An answer, or an error a client can read (an OpenAI error body or SSE error event)."""
+        return self.text is not None or (self.error is not None and '"error"' in self.error)
+
+
+def body_for(prompt: list[int], stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def send(url: str, body: dict[str, Any], timeout: float = REQUEST_S + 30) -> Outcome:
+    """POST a completion; read the whole answer (SSE when streamed)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    t0 = time.monotonic()
+    out = Outcome()
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        out.status = response.status
+        if response.status != 200:
+            out.error = response.read().decode(errors="replace")
+        elif not body.get("stream"):
+            out.text = json.loads(response.read())["choices"][0]["text"]
+        else:
+            text, done = [], False
+            for raw in response:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = json.dumps(event)
+                    break
+                text += [c.get("text", "") for c in event.get("choices", [])]
+            if done:
+                out.text = "".join(text)
+            elif out.error is None:
+                out.error = "stream ended without [DONE] or an error event"
+    except (OSError, http.client.HTTPException) as exc:
+        out.error = f"transport: {exc!r}"
+    finally:
+        conn.close()
+        out.seconds = time.monotonic() - t0
+    return out
+
+
+def send_and_leave(url: str, body: dict[str, Any], after_s: float) -> None:
+    """POST a streamed completion and close the connection ``after_s`` seconds later, whatever
+    arrived by then (a client that goes away)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_S)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        time.sleep(after_s)
+    finally:
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(2)
+        conn.close()
+
+
+@dataclass
+class Fronts:
+    """The pair behind our proxy, and the single server that is the reference."""
+
+    pair: Pair
+    single: str
+    p_url: str
+    d_url: str
+
+    def reference(self, prompt: list[int]) -> str:
+        answer = send(self.single, body_for(prompt))
+        assert answer.text is not None, answer
+        return answer.text
+
+    def baselines(self) -> dict[str, int]:
+        return {key: used_tokens(self.pair.url(key)) for key in (P_KEY, D_KEY)}
+
+    def kv_back(self, baselines: dict[str, int]) -> None:
+        """KV usage on P and D back to its baseline within the lease (plus slack)."""
+        for key, baseline in baselines.items():
+            url = self.pair.url(key)
+            deadline = time.monotonic() + KV_BOUND_S
+            while (used := used_tokens(url)) > baseline:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"{key}: {used} KV tokens used, baseline {baseline}, after "
+                        f"{KV_BOUND_S:.0f} s\n{self.hints()}"
+                    )
+                time.sleep(0.5)
+
+    def hints(self, lines: int = 12) -> str:
+        """P's and D's last transfer warnings and errors, for a failure message."""
+        out = []
+        for key in (P_KEY, D_KEY):
+            found = [
+                line[:240]
+                for line in self.pair.log(key).splitlines()
+                if ("WARNING" in line or "ERROR" in line)
+                and any(w in line for w in ("splitserve", "transfer", "side channel", "Abort"))
+            ]
+            out.append(f"--- {key}: " + ("\n".join(found[-lines:]) or "(nothing)"))
+        return "\n".join(out)
+
+    def check_next(self, proxy_url: str, seed: int, stream: bool = False) -> None:
+        prompt = prompt_of(seed)[:300]
+        answer = send(proxy_url, body_for(prompt, stream))
+        assert answer.text == self.reference(prompt), f"{answer}\n{self.hints()}"
+
+
+@pytest.fixture
+def fronts(pair, servers, tiny_model) -> Fronts:
+    """``sglang-fail-p1`` / ``sglang-fail-d2`` (whatever earlier tests left, started or
+    restarted as needed) and the single server."""
+    group = servers.group
+    pair.ensure(P_KEY, "prefill")
+    pair.ensure(D_KEY, "decode")
+    if SINGLE not in group.servers:
+        port = free_port()
+        cmd = sglang_server(
+            str(tiny_model), port, served_model_name="tiny", chunked_prefill_size=CHUNK
+        )
+        group.add(SINGLE, cmd.argv, port=port, env=cmd.env)
+    group.wait(START_TIMEOUT, names=[P_KEY, D_KEY, SINGLE], stop_group_on_failure=False)
+    return Fronts(pair, group.servers[SINGLE].url, pair.url(P_KEY), pair.url(D_KEY))
+
+
+@contextlib.contextmanager
+def proxy(fronts: Fronts, **timeouts: float) -> Iterator[BackgroundProxy]:
+    config = build_config(
+        {
+            "engine": "sglang",
+            "port": 0,
+            "prefill": [{"url": fronts.p_url, "bootstrap_port": fronts.pair.bootstrap[P_KEY]}],
+            "decode": [{"url": fronts.d_url}],
+            # SGLang's /health runs a generation: slow on a loaded CPU, so be patient with it.
+            "health": {"interval_s": 1.0, "timeout_s": 30.0, "failures_to_eject": 3},
+            "timeouts": {"first_byte_s": 60.0, "stream_idle_s": 30.0, "total_s": REQUEST_S}
+            | timeouts,
+        }
+    )
+    with BackgroundProxy(config) as running:
+        yield running
+
+
+def computing(pair: Pair, before: int) -> None:
+    """P logged a chunk of a prompt after ``before`` chunks: D registered (P prefills a PD
+    request only once its bootstrap is done) and P is computing it."""
+    wait_for(lambda: pair.log(P_KEY).count(CHUNK_MARK) > before, "prefill computing the prompt")
+
+
+def long_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(FAULT_LONG)]
+
+
+def test_clients_leave_at_random_points_of_a_long_prompt(fronts):
+    """``ROUNDS`` streamed 3,968-token requests through the proxy whose clients go away at a
+    seeded random point in 0-3 s (waiting for D's bootstrap, mid-prefill on P, mid-transfer or
+    mid-stream on D): KV usage on P and D is back to its baseline within the lease and the next
+    requests (plain and streamed) are the single server's answers."""
+    rng = random.Random(20)
+    baselines = fronts.baselines()
+    with proxy(fronts) as running:
+        for i in range(ROUNDS):
+            body = body_for(long_prompt(2000 + i), stream=True)
+            send_and_leave(running.url, body, rng.uniform(0, 3))
+        fronts.kv_back(baselines)
+        for i in range(2):
+            fronts.check_next(running.url, 30 + i, stream=bool(i))
+        left = metric_sum(
+            fetch_metrics(running.url), "splitserve_proxy_requests_total", status="499"
+        )
+        assert left >= 1, "no request counted as left by its client"
+    fronts.kv_back(baselines)
+
+
+def test_prefill_restarted_on_its_ports_while_decode_holds_registrations(fronts):
+    """P SIGKILLed while it computes a prompt D registered for, then started again on its same
+    HTTP and bootstrap ports: that request ends with a clean error within its bound (one pair:
+    nothing to retry on), D's KV is back to its baseline, and every next request is the single
+    server's answer, D never restarted."""
+    pair = fronts.pair
+    d_pid = pair.group.servers[D_KEY].process.pid
+    prompts = [prompt_of(40 + i)[:200] for i in range(4)]
+    refs = [fronts.reference(p) for p in prompts]
+    baselines = fronts.baselines()
+    with proxy(fronts) as running, ThreadPoolExecutor(1) as pool:
+        before = pair.log(P_KEY).count(CHUNK_MARK)
+        future = pool.submit(send, running.url, body_for(long_prompt(41)))
+        computing(pair, before)
+        pair.crash(P_KEY)
+        answer = future.result(timeout=REQUEST_S + 60)
+        assert answer.text is None and answer.clean, f"{answer}\n{fronts.hints()}"
+        fronts.kv_back({D_KEY: baselines[D_KEY]})
+        pair.restart(P_KEY)
+        pair.wait(P_KEY)
+        backend = running.state.prefill.backends[0]
+        wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
+        answers = [
+            send(running.url, body_for(p, stream=bool(i % 2))) for i, p in enumerate(prompts)
+        ]
+    assert [a.text for a in answers] == refs, f"{answers}\n{fronts.hints()}"
+    assert pair.group.servers[D_KEY].process.pid == d_pid, "D was restarted"
+    fronts.kv_back(baselines)
+
+
+@pytest.mark.parametrize("victim", [P_KEY, D_KEY], ids=["prefill", "decode"])
+def test_server_frozen_past_the_lease_then_resumed(fronts, victim):
+    """P or D frozen (SIGSTOP of its whole tree) while P computes a prompt, for longer than the
+    lease, then resumed (SIGCONT): the request ends within its bound with a clean error or the
+    single server's answer, KV usage on P and D is back to its baseline once it runs again, and
+    the next request is correct."""
+    pair = fronts.pair
+    prompt = long_prompt(80 + (victim == D_KEY))
+    ref = fronts.reference(prompt)
+    baselines = fronts.baselines()
+    timeouts = {"first_byte_s": 25.0, "stream_idle_s": 15.0}
+    with proxy(fronts, **timeouts) as running, ThreadPoolExecutor(1) as pool:
+        before = pair.log(P_KEY).count(CHUNK_MARK)
+        future = pool.submit(send, running.url, body_for(prompt, stream=True))
+        computing(pair, before)
+        pair.signal(victim, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            answer = future.result(timeout=REQUEST_S + 60)
+            remaining = LEASE_S + 2 - (time.monotonic() - frozen_at)
+            if remaining > 0:
+                time.sleep(remaining)  # frozen past the lease, as the case says
+        finally:
+            pair.signal(victim, signal.SIGCONT)
+        assert answer.clean and answer.text in (None, ref), f"{answer}\n{fronts.hints()}"
+        fronts.kv_back(baselines)
+        fronts.check_next(running.url, 90 + (victim == D_KEY), stream=True)
+    fronts.kv_back(baselines)
