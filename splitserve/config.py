@@ -9,6 +9,7 @@ imports no engine.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -102,6 +103,12 @@ class PoolSettings(_Strict):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments.")
+    hosts: list[str] | None = Field(
+        None,
+        description="Across machines: the IP address of the host of each server, in order (bound "
+        "by its HTTP server and side channel, VLLM_HOST_IP). `splitserve up --host ADDR` starts "
+        "the servers placed on ADDR. Null: every server on the local host's loopback.",
+    )
     scheduler: dict[str, Any] | None = Field(
         None,
         description="Adaptive chunk scheduler settings (BudgetPolicySettings); off if null. It "
@@ -119,7 +126,20 @@ class PoolSettings(_Strict):
                 )
         if self.tensor_parallel_size < 1:
             raise ValueError("args: --tensor-parallel-size must be a whole number >= 1")
+        if self.hosts is not None:
+            if len(self.hosts) != self.count:
+                raise ValueError(
+                    f"hosts: {len(self.hosts)} given for {self.count} server(s); give one each"
+                )
+            for i, address in enumerate(self.hosts):
+                problem = placement_problem(address)
+                if problem:
+                    raise ValueError(f"hosts[{i}]: {problem}")
         return self
+
+    def host(self, index: int) -> str | None:
+        """The address server ``index`` is placed on (None: the local host's loopback)."""
+        return None if self.hosts is None else self.hosts[index]
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -137,6 +157,27 @@ class PoolSettings(_Strict):
         tensor parallel rank (base + rank), so servers are spaced by the TP size."""
         base = self.side_channel_base_port
         return None if base is None else base + index * self.tensor_parallel_size
+
+
+def placement_problem(address: str) -> str | None:
+    """Why ``address`` cannot place a server or the proxy on a host, or None. An IP address:
+    it is bound (HTTP server, side channel) and is VLLM_HOST_IP, which a host name cannot be;
+    neither a wildcard (advertised to peers as such) nor loopback (no other host reaches it)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return f"{address!r} is not an IP address (give the address the other hosts reach)"
+    if ip.is_unspecified or ip.is_loopback or ip.is_multicast:
+        return (
+            f"{address} cannot place a server: give the address of its host that the other "
+            "hosts reach (not a wildcard, loopback or multicast address)"
+        )
+    return None
+
+
+def url_host(address: str) -> str:
+    """``address`` as the host part of a URL (an IPv6 address in brackets)."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 class RestartSettings(_Strict):
@@ -204,18 +245,21 @@ class Deployment(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:
-        ports: list[int] = []
+        self._check_placement()
+        # (host, port): servers on different hosts may use the same ports
+        ports: list[tuple[str | None, int]] = []
         for pool_name in ("prefill", "decode"):
             pool: PoolSettings = getattr(self, pool_name)
-            ports += range(pool.base_port, pool.base_port + pool.count)
-            if pool.side_channel_base_port is not None:
-                ports += range(
-                    pool.side_channel_base_port,
-                    pool.side_channel_base_port + pool.count * pool.tensor_parallel_size,
-                )
+            tp = pool.tensor_parallel_size
+            for i in range(pool.count):
+                host = pool.host(i)
+                ports.append((host, pool.base_port + i))
+                side = pool.side_channel_port(i)
+                if side is not None:
+                    ports += [(host, side + rank) for rank in range(tp)]
         proxy_port = self.proxy.get("port", 8000)
-        ports.append(proxy_port)
-        dup = sorted({p for p in ports if ports.count(p) > 1})
+        ports.append((self.proxy_host, proxy_port))
+        dup = sorted({p for h, p in ports if ports.count((h, p)) > 1})
         if dup:
             raise ValueError(
                 f"ports overlap: {dup} (check base_port, side_channel_base_port, proxy.port)"
@@ -234,6 +278,51 @@ class Deployment(_Strict):
         if self.connector.name == "nixl" and self.proxy.get("flow") == "concurrent":
             raise ValueError("proxy.flow: the stock NixlConnector only has the sequential flow")
         return self
+
+    def _check_placement(self) -> None:
+        """Placed on hosts: every server and the proxy, or none (docs/deployment.md)."""
+        placed = {name: getattr(self, name).hosts is not None for name in ("prefill", "decode")}
+        if not any(placed.values()):
+            return
+        for name, given in placed.items():
+            if not given:
+                raise ValueError(
+                    f"{name}.hosts: required once another pool places its servers on hosts "
+                    "(one address per server)"
+                )
+        for name in ("prefill", "decode"):
+            if getattr(self, name).side_channel_base_port is None:
+                raise ValueError(
+                    f"{name}.side_channel_base_port: required when the servers are placed on "
+                    "hosts (the `up` of every host must agree on every port)"
+                )
+        host = self.proxy.get("host")
+        problem = placement_problem(host) if isinstance(host, str) else "not given"
+        if problem:
+            raise ValueError(
+                f"proxy.host: the address of the proxy's host is required when the servers are "
+                f"placed on hosts: {problem}"
+            )
+
+    @property
+    def placed(self) -> bool:
+        """Whether the servers and the proxy are placed on hosts (``PoolSettings.hosts``)."""
+        return self.prefill.hosts is not None
+
+    @property
+    def proxy_host(self) -> str | None:
+        """The proxy's host when placed, else None (the local host)."""
+        return self.proxy.get("host") if self.placed else None
+
+    def host_addresses(self) -> list[str]:
+        """Every host of a placed deployment, in order of first appearance (prefill, decode,
+        proxy); empty when not placed."""
+        found: list[str] = []
+        for pool in (self.prefill, self.decode):
+            found += pool.hosts or []
+        if self.proxy_host is not None:
+            found.append(self.proxy_host)
+        return list(dict.fromkeys(found))
 
     @property
     def flow(self) -> str:
@@ -331,14 +420,19 @@ def placeholder_side_ports(dep: Deployment) -> list[int | None]:
 def proxy_config_for(
     dep: Deployment, prefill_side_ports: list[int | None], host: str = "127.0.0.1"
 ) -> ProxyConfig:
-    """The proxy settings of a deployment: its ``proxy`` section plus the two pools."""
+    """The proxy settings of a deployment: its ``proxy`` section plus the two pools, each
+    server at its placed address (``PoolSettings.hosts``), else at ``host``."""
     prefill = []
     for i, side in enumerate(prefill_side_ports):
-        entry: dict[str, Any] = {"url": f"http://{host}:{dep.prefill.base_port + i}"}
+        address = url_host(dep.prefill.host(i) or host)
+        entry: dict[str, Any] = {"url": f"http://{address}:{dep.prefill.base_port + i}"}
         if side is not None and dep.connector.name == "splitserve":
             entry["side_channel_port"] = side
         prefill.append(entry)
-    decode = [{"url": f"http://{host}:{dep.decode.base_port + i}"} for i in range(dep.decode.count)]
+    decode = [
+        {"url": f"http://{url_host(dep.decode.host(i) or host)}:{dep.decode.base_port + i}"}
+        for i in range(dep.decode.count)
+    ]
     data = {
         "flow": dep.flow,
         **dep.proxy,

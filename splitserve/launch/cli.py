@@ -20,7 +20,9 @@ from splitserve.launch.deployment import (
     DeploymentRunner,
     PortInUseError,
     ensure_model,
+    local_host,
     plan_servers,
+    proxy_port,
 )
 from splitserve.launch.process import ProcessStartError
 from splitserve.launch.secrets import DeploymentSecrets
@@ -65,16 +67,60 @@ def _run(runner: DeploymentRunner, body: Callable[[], int], interrupted_rc: int)
     help="Write this deployment's Kubernetes manifests (and a kustomization.yaml) to DIR "
     "instead of starting it (docs/deployment.md, 'Kubernetes').",
 )
-def up(config: str, print_commands: bool, emit: tuple[str, str] | None) -> None:
+@click.option(
+    "--host",
+    "host",
+    default=None,
+    metavar="ADDR",
+    help="A deployment placed on hosts (prefill.hosts, decode.hosts, proxy.host): start what is "
+    "placed on ADDR. Default: the deployment's host that is an address of this machine.",
+)
+def up(config: str, print_commands: bool, emit: tuple[str, str] | None, host: str | None) -> None:
     """Start the prefill and decode servers and the proxy described by CONFIG."""
     dep = _load(config)
     if emit is not None:
         _emit_kubernetes(dep, config, emit[1])
         return
-    runner = DeploymentRunner(dep, echo=click.echo)
     if print_commands:
-        secrets = DeploymentSecrets.create(dep, runner.run_dir)
-        for s in plan_servers(dep, ensure_model(dep), secrets.engine_env()):
+        _print_commands(dep, config)
+        return
+    try:
+        here = local_host(dep, host)
+    except DeploymentError as e:
+        raise click.UsageError(str(e)) from None
+    runner = DeploymentRunner(dep, echo=click.echo, host=here)
+
+    def serve() -> int:
+        runner.start()
+        if runner.runs_proxy:
+            click.echo(f"\nsplitserve is serving at {runner.url} (Ctrl-C to stop). Try:\n")
+            click.echo(f"  {runner.example_request()}\n")
+        else:
+            names = ", ".join(s.name for s in runner.planned)
+            click.echo(f"\n{here}: {names} serving; the proxy is {runner.url} (Ctrl-C to stop)\n")
+        return runner.supervise()
+
+    _run(runner, serve, interrupted_rc=0)
+
+
+def _print_commands(dep, config: str) -> None:
+    """The engine commands (with their environment) ``up`` runs; for a deployment placed on
+    hosts, one section per host, naming the ``up`` that runs it and the proxy it holds."""
+    run_dir = dep.resolved_run_dir()
+    secrets = DeploymentSecrets.create(dep, run_dir)
+    planned = plan_servers(dep, ensure_model(dep), secrets.engine_env())
+    hosts: list[str | None] = list(dep.host_addresses()) or [None]
+    if dep.placed:
+        click.echo(
+            f"# keys: {secrets.engine_api_key_file.parent} (made once; copy this folder to the "
+            "same path on every host before its `up`)\n"
+        )
+    for host in hosts:
+        if host is not None:
+            click.echo(f"# ===== host {host}: `splitserve up {config} --host {host}` runs =====\n")
+        for s in planned:
+            if host is not None and s.host != host:
+                continue
             printable = {**s.command.env, **secrets.printable_env()}
             env = " ".join(
                 f"{k}={v if k in secrets.printable_env() else shlex.quote(v)}"
@@ -82,15 +128,13 @@ def up(config: str, print_commands: bool, emit: tuple[str, str] | None) -> None:
             )
             args = shlex.join(s.command.argv)
             click.echo(f"# {s.name}\n{env} {args}\n")
-        return
-
-    def serve() -> int:
-        runner.start()
-        click.echo(f"\nsplitserve is serving at {runner.url} (Ctrl-C to stop). Try:\n")
-        click.echo(f"  {runner.example_request()}\n")
-        return runner.supervise()
-
-    _run(runner, serve, interrupted_rc=0)
+        if host is not None and dep.proxy_host == host:
+            click.echo(
+                f"# proxy on {host}:{proxy_port(dep)} (its config, {run_dir / 'proxy.yaml'}, "
+                "is written by `up` once this host's servers are ready)\n"
+                f"{shlex.join([sys.executable, '-m', 'splitserve.cli', 'proxy', '--config'])} "
+                f"{shlex.quote(str(run_dir / 'proxy.yaml'))}\n"
+            )
 
 
 def _emit_kubernetes(dep, config: str, out: str) -> None:

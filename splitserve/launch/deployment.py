@@ -5,7 +5,9 @@ proxy) through a ``ServerGroup``: each child in its own process group with a log
 directory; any start-up failure stops everything and shows the failing server's log tail. Once
 serving, a child that dies is restarted under the deployment's restart policy
 (``splitserve.launch.supervisor``) while the rest keep serving; a signal, or the policy giving
-up, stops everything. No child outlives ``up``.
+up, stops everything. No child outlives ``up``. A deployment placed on hosts
+(``PoolSettings.hosts``) is run by one ``up`` per host, each starting its host's share
+(``local_host``; docs/deployment.md, "Across hosts").
 
 The engine command lines come from ``splitserve.launch.engines`` (no engine import here), so
 ``describe`` can print exactly what ``up`` runs, for users porting it to their orchestrator.
@@ -13,6 +15,8 @@ The engine command lines come from ``splitserve.launch.engines`` (no engine impo
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import yaml
 from pydantic import SecretStr
 
@@ -34,6 +39,7 @@ from splitserve.config import (
     PoolSettings,
     placeholder_side_ports,
     proxy_config_for,
+    url_host,
 )
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
@@ -64,6 +70,7 @@ class PlannedServer:
     port: int
     side_channel_port: int | None
     command: engines.ServerCommand
+    host: str = HOST  # the address it binds: its placed host's (PoolSettings.hosts) or loopback
 
 
 def model_dir(dep: Deployment) -> Path:
@@ -118,6 +125,9 @@ def _kv_transfer_config(
     }
     if is_loopback(side_host):  # every P of this deployment is on this host's loopback
         extra.setdefault("allowed_prefill_hosts", list(LOOPBACK_PREFILL_HOSTS))
+    elif side_host in dep.host_addresses():  # placed on hosts: D contacts only the Ps' hosts
+        prefill_hosts = list(dict.fromkeys(dep.prefill.hosts or []))
+        extra.setdefault("allowed_prefill_hosts", prefill_hosts)
     cfg = {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
@@ -180,46 +190,106 @@ def plan_servers(
     dep: Deployment, model: str | Path, secret_env: dict[str, str] | None = None
 ) -> list[PlannedServer]:
     """Resolve every server's ports, flags and environment (``secret_env``: the keys'
-    variables, ``DeploymentSecrets.engine_env``)."""
+    variables, ``DeploymentSecrets.engine_env``). A server placed on a host binds that host's
+    address (HTTP and side channel, which P also advertises) and has it as ``VLLM_HOST_IP``
+    (a host without a default route leaves vLLM nothing to guess it from)."""
     planned: list[PlannedServer] = []
     for role in ("prefill", "decode"):
         pool: PoolSettings = getattr(dep, role)
         for i in range(pool.count):
+            address = pool.host(i)
+            bind = address or HOST
             port = pool.base_port + i
             side = pool.side_channel_port(i)
             if side is None:
-                side = free_port(HOST)
+                side = free_port(bind)
             core = pool.cpu_cores[i] if pool.cpu_cores is not None else None
             gpu_env = {"CUDA_VISIBLE_DEVICES": pool.gpus[i]} if pool.gpus is not None else {}
+            host_env = {"VLLM_HOST_IP": address} if address else {}
             cmd = server_command(
                 dep,
                 role,
                 model,
                 port,
                 side,
+                host=bind,
+                side_host=bind,
                 cpu_core=core,
-                env={**gpu_env, **pool.env, **(secret_env or {})},
+                env={**gpu_env, **host_env, **pool.env, **(secret_env or {})},
             )
-            planned.append(PlannedServer(f"{role}-{i}", role, port, side, cmd))
+            planned.append(PlannedServer(f"{role}-{i}", role, port, side, cmd, bind))
     return planned
+
+
+def local_addresses() -> set[str]:
+    """The IP addresses of this machine's interfaces (of the calling network namespace)."""
+    found = set()
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            with contextlib.suppress(ValueError):
+                found.add(str(ipaddress.ip_address(a.address.split("%", 1)[0])))
+    return found
+
+
+def local_host(dep: Deployment, requested: str | None = None) -> str | None:
+    """The host whose share of ``dep`` this ``up`` runs: ``requested`` (``--host``), else the
+    one of the deployment's hosts that is an address of this machine; None when the deployment
+    is not placed on hosts (everything on loopback). Raises ``DeploymentError`` saying why
+    when there is no one answer."""
+    hosts = dep.host_addresses()
+    if not dep.placed:
+        if requested is not None:
+            raise DeploymentError(
+                f"--host {requested}: this deployment places nothing on hosts (prefill.hosts, "
+                "decode.hosts, proxy.host); start it without --host"
+            )
+        return None
+    if requested is not None:
+        try:
+            wanted = str(ipaddress.ip_address(requested))
+        except ValueError:
+            raise DeploymentError(f"--host: {requested!r} is not an IP address") from None
+        for h in hosts:
+            if str(ipaddress.ip_address(h)) == wanted:
+                return h
+        raise DeploymentError(
+            f"--host {requested}: nothing of this deployment is placed there; its hosts: "
+            + ", ".join(hosts)
+        )
+    mine = local_addresses()
+    matches = [h for h in hosts if str(ipaddress.ip_address(h)) in mine]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise DeploymentError(
+            f"none of this deployment's hosts ({', '.join(hosts)}) is an address of this "
+            f"machine ({', '.join(sorted(mine)) or 'none'}); give --host ADDR"
+        )
+    raise DeploymentError(
+        f"several of this deployment's hosts are addresses of this machine "
+        f"({', '.join(matches)}): give --host ADDR, one `up` per host"
+    )
 
 
 class PortInUseError(RuntimeError):
     """A port the deployment needs is taken; raised before anything is started."""
 
 
-def check_ports(dep: Deployment, planned: list[PlannedServer]) -> None:
-    """Fail fast, before starting anything, if a port of the deployment is taken."""
-    wanted = [("proxy.port", proxy_port(dep))]
+def check_ports(
+    dep: Deployment, planned: list[PlannedServer], with_proxy: bool = True, host: str = HOST
+) -> None:
+    """Fail fast, before starting anything, if a port this ``up`` needs on ``host`` (its
+    servers' and, ``with_proxy``, the proxy's) is taken."""
+    wanted = [("proxy.port", proxy_port(dep))] if with_proxy else []
     for s in planned:
         wanted.append((f"{s.name} (HTTP)", s.port))
         if s.side_channel_port is not None:
             wanted.append((f"{s.name} (KV side channel)", s.side_channel_port))
-    taken = [f"{what}: port {port}" for what, port in wanted if port_in_use(port, HOST)]
+    taken = [f"{what}: port {port}" for what, port in wanted if port_in_use(port, host)]
     if taken:
         raise PortInUseError(
             "ports already in use on "
-            + HOST
+            + host
             + ": "
             + "; ".join(taken)
             + ". Stop what holds them or change the ports in the deployment file."
@@ -269,17 +339,23 @@ def proxy_port(dep: Deployment) -> int:
 class DeploymentRunner:
     """Start, supervise and stop one deployment."""
 
-    def __init__(self, dep: Deployment, echo: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, dep: Deployment, echo: Callable[[str], None] = print, host: str | None = None
+    ) -> None:
+        """``host``: the host whose servers (and proxy) this runner starts, for a deployment
+        placed on hosts (``local_host``); None: all of it, on loopback."""
         self.dep = dep
         self.echo = echo
         self.run_dir = dep.resolved_run_dir()
         self.group = ServerGroup(self.run_dir / "logs")
         self.planned: list[PlannedServer] = []
         self.secrets: DeploymentSecrets | None = None
+        self.host = host or HOST
+        self.runs_proxy = host is None or dep.proxy_host == host
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{proxy_port(self.dep)}"
+        return f"http://{url_host(self.dep.proxy_host or HOST)}:{proxy_port(self.dep)}"
 
     def start(self) -> None:
         """Build the model, start servers and proxy, wait for all with progress output."""
@@ -291,10 +367,11 @@ class DeploymentRunner:
         model = ensure_model(self.dep)
         self.echo(f"model: {model}")
         self.secrets = DeploymentSecrets.create(self.dep, self.run_dir)
-        self.planned = plan_servers(self.dep, model, self.secrets.engine_env())
-        check_ports(self.dep, self.planned)
+        planned = plan_servers(self.dep, model, self.secrets.engine_env())
+        self.planned = [s for s in planned if s.host == self.host]
+        check_ports(self.dep, self.planned, with_proxy=self.runs_proxy, host=self.host)
         for s in self.planned:
-            self.group.add(s.name, s.command.argv, port=s.port, host=HOST, env=s.command.env)
+            self.group.add(s.name, s.command.argv, port=s.port, host=s.host, env=s.command.env)
             self.echo(
                 f"started {s.name} on :{s.port}"
                 + (f" (side channel :{s.side_channel_port})" if s.side_channel_port else "")
@@ -312,19 +389,25 @@ class DeploymentRunner:
                 )
                 self.echo(f"[{now:4.0f} s] {states}")
 
-        self.group.wait(self.dep.startup_timeout_s, on_wait=progress)
-        self.echo(f"engine servers ready after {time.monotonic() - t0:.0f} s")
+        if self.planned:
+            self.group.wait(self.dep.startup_timeout_s, on_wait=progress)
+            self.echo(f"engine servers ready after {time.monotonic() - t0:.0f} s")
+        if not self.runs_proxy:
+            return
         proxy_yaml = write_proxy_config(
-            self.dep, self.planned, self.run_dir / "proxy.yaml", self.secrets, model
+            self.dep, planned, self.run_dir / "proxy.yaml", self.secrets, model
         )
         self.group.add(
             "proxy",
             [sys.executable, "-m", "splitserve.cli", "proxy", "--config", str(proxy_yaml)],
             port=proxy_port(self.dep),
-            host=HOST,
+            host=self.host,
             ready_path="/health" if client_key else "/ready",
         )
-        self.group.wait(60.0, names=["proxy"])
+        # Placed on hosts, the other hosts' servers may still be loading: /ready waits for them.
+        self.group.wait(
+            self.dep.startup_timeout_s + 60 if self.dep.placed else 60.0, names=["proxy"]
+        )
         self.echo(f"proxy ready: {self.url}")
 
     def _proxy_settings(self) -> ProxyConfig:
@@ -365,7 +448,7 @@ class DeploymentRunner:
             self.dep.restart,
             self.child_ports(),
             self.echo,
-            host=HOST,
+            host=self.host,
             startup_timeout_s=self.dep.startup_timeout_s,
         ).run()
 
@@ -375,7 +458,8 @@ class DeploymentRunner:
             s.name: [s.port] + ([s.side_channel_port] if s.side_channel_port else [])
             for s in self.planned
         }
-        ports["proxy"] = [proxy_port(self.dep)]
+        if self.runs_proxy:
+            ports["proxy"] = [proxy_port(self.dep)]
         return ports
 
     @staticmethod

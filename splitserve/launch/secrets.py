@@ -12,15 +12,21 @@ processes through their environment, never their command lines (docs/security.md
 
 A deployment that brings its own side-channel key (``connector.settings.auth_key_file``) keeps
 it; ``connector.settings.insecure: true`` runs the side channel without one (a trusted lab).
+
+A deployment placed on several hosts (``PoolSettings.hosts``) needs the same keys on every host,
+so there the keys are made once and then reused: a key file already in ``secrets/`` is read, a
+missing one is made atomically (written aside, then linked into place: two ``up`` sharing a
+file system agree on one key). The user copies ``secrets/`` to each machine (docs/deployment.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.config import Deployment
+from splitserve.config import Deployment, DeploymentError
 from splitserve.transfer.auth import KEY_FILE_ENV, generate_key, write_key_file
 
 ENGINE_API_KEY_ENV = "VLLM_API_KEY"
@@ -34,15 +40,16 @@ class DeploymentSecrets:
 
     @classmethod
     def create(cls, dep: Deployment, run_dir: Path) -> DeploymentSecrets:
-        """Fresh keys for this start (files 0600 in ``run_dir/secrets``, a 0700 directory)."""
+        """The keys of this start (files 0600 in ``run_dir/secrets``, a 0700 directory): fresh
+        ones, or for a deployment placed on hosts the ones already there (made if missing)."""
         folder = (run_dir / "secrets").resolve()
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o700)
+        make = _existing_or_new if dep.placed else _fresh
         side = None
         if needs_side_channel_key(dep):
-            side = write_key_file(folder / "side-channel.key")
-        engine_key = generate_key()
-        engine_file = write_key_file(folder / "engine-api.key", engine_key)
+            side, _ = make(folder / "side-channel.key")
+        engine_file, engine_key = make(folder / "engine-api.key")
         return cls(side, engine_file, engine_key)
 
     def engine_env(self) -> dict[str, str]:
@@ -59,6 +66,28 @@ class DeploymentSecrets:
         if self.side_channel_key_file is not None:
             env[KEY_FILE_ENV] = str(self.side_channel_key_file)
         return env
+
+
+def _fresh(path: Path) -> tuple[Path, str]:
+    key = generate_key()
+    return write_key_file(path, key), key
+
+
+def _existing_or_new(path: Path) -> tuple[Path, str]:
+    """The key in ``path``; if there is none, a fresh one linked into place atomically (a
+    concurrent maker's key wins and is the one returned)."""
+    if not path.exists():
+        aside = path.with_name(f".{path.name}.{os.getpid()}")
+        write_key_file(aside, generate_key())
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+        finally:
+            aside.unlink(missing_ok=True)
+    key = path.read_text().strip()
+    if not key:
+        raise DeploymentError(f"{path}: empty key file (remove it to have a new key made)")
+    return path, key
 
 
 def needs_side_channel_key(dep: Deployment, ignore_key_file: bool = False) -> bool:
