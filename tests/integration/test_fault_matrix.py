@@ -42,12 +42,13 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import completion_client
 import psutil
 import pytest
+from completion_client import Outcome
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import test_key_file as key_file
 
@@ -236,81 +237,13 @@ def body_for(prompt: str, stream: bool = False) -> dict[str, Any]:
     }
 
 
-@dataclass
-class Outcome:
-    """How a request ended: ``text`` (an answer), or ``error`` (its status and body, or the SSE
-    error event), and how long it took."""
-
-    status: int = 0
-    text: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def clean(self) -> bool:
-        """An answer, or an error a client can read (an OpenAI error body or SSE error event)."""
-        return self.text is not None or (self.error is not None and '"error"' in self.error)
-
-
 def send(url: str, body: dict[str, Any], timeout: float = REQUEST_S) -> Outcome:
-    """POST a completion; read the whole answer (SSE when streamed)."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    t0 = time.monotonic()
-    out = Outcome()
-    try:
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        response = conn.getresponse()
-        out.status = response.status
-        if response.status != 200:
-            out.error = response.read().decode(errors="replace")
-        elif not body.get("stream"):
-            out.text = json.loads(response.read())["choices"][0]["text"]
-        else:
-            text, done = [], False
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                event = json.loads(line[6:])
-                out.events.append(event)
-                if "error" in event:
-                    out.error = json.dumps(event)
-                    break
-                text += [c.get("text", "") for c in event.get("choices", [])]
-            if done:
-                out.text = "".join(text)
-            elif out.error is None:
-                out.error = "stream ended without [DONE] or an error event"
-    except (OSError, http.client.HTTPException) as exc:
-        out.error = f"transport: {exc!r}"
-    finally:
-        conn.close()
-        out.seconds = time.monotonic() - t0
-    return out
+    """POST a completion through ``completion_client`` under this module's bound."""
+    return completion_client.send(url, body, timeout)
 
 
 def send_and_leave(url: str, body: dict[str, Any], after_s: float) -> None:
-    """POST a streamed completion and close the connection ``after_s`` seconds later, whatever
-    arrived by then (a client that goes away)."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_S)
-    try:
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        time.sleep(after_s)
-    finally:
-        if conn.sock is not None:
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(2)
-        conn.close()
+    completion_client.send_and_leave(url, body, after_s, REQUEST_S)
 
 
 def colocated(fleet: Fleet, prompt: str) -> str:

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from completion_client import Outcome
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from session_keys import test_key_file as key_file
-from test_fault_matrix import FAULT_MODEL, Outcome, body_for, send, text_prompt, wait_for
+from test_fault_matrix import FAULT_MODEL, body_for, send, text_prompt, wait_for
 from test_transfer_cross_host import kv_protocols
 
 from splitserve.launch import engines
