@@ -39,42 +39,30 @@ else
 fi
 case "$DEVICE" in cpu|gpu) ;; *) fail "SPLITSERVE_DEVICE='$DEVICE'" "use cpu or gpu";; esac
 
+# System tools the integration tests need, from apt: checked on every run (cheap), installed
+# once; apt needs root, as in CI. ensure_tool COMMAND PACKAGE WHAT-NEEDS-IT
+ensure_tool() {
+    if command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; then
+        return 0
+    fi
+    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "$1 is missing" \
+        "as root: apt-get install $2 ($3)"
+    echo "bootstrap: installing $2 (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "$2" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q "$2" >/dev/null; } \
+        || fail "apt-get install $2 failed" "read apt's error above; rerun 'make env'"
+}
+
 # dnsmasq (Debian's dnsmasq-base: the binary, no service): the real DNS server that
-# tests/integration/test_discovery.py resolves the proxy's dynamic pools against. Checked on every
-# run (cheap), installed once; apt needs root, as in CI.
-if ! command -v dnsmasq >/dev/null 2>&1 && [ ! -x /usr/sbin/dnsmasq ]; then
-    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "dnsmasq is missing" \
-        "as root: apt-get install dnsmasq-base (tests/integration/test_discovery.py needs it)"
-    echo "bootstrap: installing dnsmasq-base (apt)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q dnsmasq-base >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q dnsmasq-base >/dev/null; } \
-        || fail "apt-get install dnsmasq-base failed" "read apt's error above; rerun 'make env'"
-fi
-
+# tests/integration/test_discovery.py resolves the proxy's dynamic pools against.
+ensure_tool dnsmasq dnsmasq-base "tests/integration/test_discovery.py needs it"
 # iproute2 (`ip`, `tc`): the multi-host test bed (splitserve/launch/testbed.py) makes network
-# namespaces, veth links and qdiscs with them. Same rule as dnsmasq: checked always, installed once.
-if ! command -v tc >/dev/null 2>&1 && [ ! -x /usr/sbin/tc ]; then
-    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "iproute2 is missing" \
-        "as root: apt-get install iproute2 (the test bed, tests/integration/test_testbed.py)"
-    echo "bootstrap: installing iproute2 (apt)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q iproute2 >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null; } \
-        || fail "apt-get install iproute2 failed" "read apt's error above; rerun 'make env'"
-fi
-
+# namespaces, veth links and qdiscs with them.
+ensure_tool tc iproute2 "the test bed, tests/integration/test_testbed.py"
 # nftables (`nft`): the test bed's packet loss where the kernel lacks sch_netem, and its cuts
-# between two hosts (splitserve/launch/testbed.py). Same rule: checked always, installed once.
-if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
-    { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "nftables is missing" \
-        "as root: apt-get install nftables (the test bed's loss and cuts, tests/integration/test_testbed.py)"
-    echo "bootstrap: installing nftables (apt)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q nftables >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q nftables >/dev/null; } \
-        || fail "apt-get install nftables failed" "read apt's error above; rerun 'make env'"
-fi
+# between two hosts (splitserve/launch/testbed.py).
+ensure_tool nft nftables "the test bed's loss and cuts, tests/integration/test_testbed.py"
 
 install_spec() {
     "$PY" - <<'PYEOF'
