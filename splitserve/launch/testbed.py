@@ -196,6 +196,13 @@ def netem_available() -> bool:
         _run(["ip", "netns", "delete", probe], check=False)
 
 
+def _setns(fd: int, what: str) -> None:
+    """Move the calling thread into the network namespace ``fd`` names (``setns(2)``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        raise TestbedError(f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
 @dataclass
 class Host:
     """One emulated host: a network namespace with one address on the test bed."""
@@ -215,22 +222,17 @@ class Host:
         """Move the calling thread into this host's network namespace for the block: sockets
         it opens meanwhile belong to the host, and so do threads it starts (for their life).
         Back to the thread's own namespace on exit."""
-        libc = ctypes.CDLL(None, use_errno=True)
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
             target = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
             try:
-                if libc.setns(target, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise TestbedError(f"cannot enter {self.netns}: {os.strerror(err)}")
+                _setns(target, f"cannot enter {self.netns}")
             finally:
                 os.close(target)
             try:
                 yield self
             finally:
-                if libc.setns(own, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise TestbedError(f"cannot leave {self.netns}: {os.strerror(err)}")
+                _setns(own, f"cannot leave {self.netns}")
         finally:
             os.close(own)
 
