@@ -16,7 +16,7 @@ misses). Per contender and rate: SLO attainment (share of requests that meet it)
 percentiles per class; per contender: its **capacity under SLO**, the highest swept rate at
 which it and every lower swept rate keep at least 90% attainment (DistServe's goodput).
 
-Contenders (tiny test model, fp32, one CPU core per server):
+Contenders (``--preset`` test model, fp32, one CPU core per server):
 
 - (a) ``colocated``: two plain servers behind the proxy's least-loaded routing (every request
   straight to a server: the proxy's decision with an unbounded threshold), vLLM's default budget;
@@ -33,6 +33,7 @@ Usage:
     .venv/bin/python benchmarks/goodput.py --dry-run          # the plan: SLO, workload, order
     .venv/bin/python benchmarks/goodput.py --quick --out runs/goodput-quick.json
     .venv/bin/python benchmarks/goodput.py --rates 0.25,0.5,1,1.5 --duration 60 --out ...
+    .venv/bin/python benchmarks/goodput.py --preset mid ...   # documents prefill in 1-4 s
 
 Servers are started per (rate, contender group) and stopped after it (groups: (a), (b), (c),
 (d)+(e)), so start-up dominates a short sweep on 2 cores; results go to JSON and a markdown

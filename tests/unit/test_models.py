@@ -17,6 +17,15 @@ def test_bench_preset_is_kv_heavy() -> None:
     assert PRESETS["bench"].kv_bytes_per_token() == 256 * 1024
 
 
+def test_mid_preset_validates_and_has_modest_kv() -> None:
+    # 8 layers x 2 (K and V) x 4 KV heads x head dim 96 x 4 bytes = 24 KiB per token; KV heads
+    # divide by 1, 2 and 4 (tensor parallel).
+    spec = resolve_spec("mid")
+    assert spec == PRESETS["mid"]
+    assert spec.kv_bytes_per_token() == 24 * 1024
+    assert all(spec.num_kv_heads % tp == 0 for tp in (1, 2, 4))
+
+
 def test_overrides_apply_and_validate() -> None:
     spec = resolve_spec("tiny", num_layers=2, head_dim=None)
     assert spec.num_layers == 2 and spec.head_dim == PRESETS["tiny"].head_dim
