@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import server_logs
 
 from splitserve.launch.group import Server, ServerGroup
 from splitserve.launch.process import ProcessStartError
@@ -137,7 +138,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config, items: list[p
     items.sort(key=_module_rank)  # stable: the order within a module is kept
 
 
-_GROUPS: list[ServerGroup] = []
+_GROUPS: list[ServerGroup] = server_logs.GROUPS  # the session's groups, for failing tests
 _current_module: list[str] = [""]
 
 

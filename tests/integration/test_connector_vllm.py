@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 from metrics_text import fetch_metrics, metric_sum
+from server_logs import warnings_of
 
 from splitserve.netutil import free_ports
 from splitserve.proxy import dispatch
@@ -56,7 +57,10 @@ def post(url: str, body: dict, timeout: float = 300.0) -> dict:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+        answer = {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+        if exc.code >= 500:  # CI shows the failure's one line: say what the server logged
+            answer["server_log"] = warnings_of(url)
+        return answer
 
 
 def body_for(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:

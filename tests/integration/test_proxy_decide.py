@@ -206,8 +206,12 @@ SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
 MIN_CHUNK, MAX_CHUNK = 128, 512
 HEAD_TOKENS, TAIL_TOKENS = 896, 640  # a follow-up: 7 of its 12 blocks held on D, the rest local
 # Short prompts decoding on D while the follow-up arrives; they are cut by their client once it
-# is served, so their length only has to outlast the follow-up's arrival, by a wide margin.
-STREAMS, STREAM_TOKENS = 3, 1800
+# is served, so their length only has to outlast the follow-up, by a wide margin: this D takes
+# the model's whole context (4096), so a stream runs ~4,000 decode steps, against the
+# follow-up's few chunked steps. The colocated reference (ss-a, 2048) checks what fits there.
+STREAMS, STREAM_TOKENS = 3, 4000
+ADAPTIVE_D_MAX_LEN = 4096  # the tiny model's max_position_embeddings
+REFERENCE_MAX_LEN = 2048  # ss-a's --max-model-len (the pair's extra_args)
 BUDGET = "splitserve_scheduler_prefill_budget_tokens"
 DECISIONS = "splitserve_scheduler_budget_decisions_total"
 CHOSEN = "splitserve_scheduler_prefill_budget_chosen_tokens_bucket"
@@ -229,6 +233,8 @@ def adaptive_decode(ss_pair, servers, tiny_model, tmp_path_factory) -> Iterator[
         kv_transfer_config=ss_pair.kv_config(free_ports(1)[0]),
         extra_args=[
             *ss_pair.extra_args,
+            "--max-model-len",  # the later flag wins: this D holds the streams' long contexts
+            str(ADAPTIVE_D_MAX_LEN),
             "--scheduler-cls",
             SCHEDULER_CLS,
             "--additional-config",
@@ -351,6 +357,15 @@ async def stream(
     return tokens
 
 
+def _ending(task: asyncio.Task) -> str:
+    """How a finished stream ended: its error, or how many tokens it got (it ran out)."""
+    if task.cancelled():
+        return "cancelled"
+    if task.exception() is not None:
+        return repr(task.exception())[:300]
+    return f"finished after {len(task.result())} tokens"
+
+
 async def wait_idle(session: aiohttp.ClientSession, url: str) -> None:
     """Until D runs and queues no request (bounded)."""
     for _ in range(600):
@@ -382,11 +397,13 @@ async def budget_scenario(proxy: str, d_url: str, ref_url: str) -> None:
             for p, e in zip(shorts, events, strict=True)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout=300)
-        assert not any(s.done() for s in streams), "a stream ended before the follow-up came"
+        ended = [_ending(s) for s in streams if s.done()]
+        assert not ended, f"a stream ended before the follow-up came: {ended}"
         decoding = await budget_view(session, d_url)
         got_during = await complete(session, proxy, follow_ups[0], 8)
         after_follow_up = await budget_view(session, d_url)
-        assert not any(s.done() for s in streams), "a stream ended before the follow-up did"
+        ended = [_ending(s) for s in streams if s.done()]
+        assert not ended, f"a stream ended before the follow-up did: {ended}"
         cut.set()
         got_streams = await asyncio.gather(*streams)
         await wait_idle(session, d_url)
@@ -397,6 +414,10 @@ async def budget_scenario(proxy: str, d_url: str, ref_url: str) -> None:
         after_idle = await budget_view(session, d_url)
 
         want = [await complete(session, ref_url, h, 4) for h in heads]
+        # what of each stream fits the reference's context (usually all of it: a stream is cut
+        # after a few hundred tokens)
+        room = [REFERENCE_MAX_LEN - len(p) - 1 for p in shorts]
+        got_streams = [t[:n] for n, t in zip(room, got_streams, strict=True)]
         want_streams = await asyncio.gather(
             *(
                 complete_ids(session, ref_url, p, len(t))
