@@ -156,8 +156,9 @@ MODELS: dict[str, ModelShape] = {
             qk_rope_head_dim=64,
             v_head_dim=128,
         ),
-        # This project's own test models (splitserve.models presets `bench` and `tiny`).
+        # This project's own test models (splitserve.models presets `bench`, `mid`, `tiny`).
         _llama_like("splitserve-bench", 16, 512, 16, 16, 1024, 1024, head_dim=128),
+        _llama_like("splitserve-mid", 8, 768, 8, 4, 1536, 1024, head_dim=96),
         _llama_like("splitserve-tiny", 4, 256, 4, 2, 512, 1024, head_dim=64),
     )
 }
