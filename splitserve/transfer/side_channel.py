@@ -57,6 +57,10 @@ Invariants:
   reader that lags keeps decoding, so its heartbeats are still seen (libzmq stops reading a
   connection whose inbound queue is full, and then drops it as silent at
   ``liveness_timeout_s`` although the peer answers).
+- A monitored socket's monitor is stopped before its reader is closed (``_stop_monitor``):
+  libzmq sends monitor events with a blocking send, and one sent to a closed reader froze the
+  context's I/O thread for good (P's side channel stopped accepting and answering heartbeats
+  while its own thread looked idle; found by CI, stop 28).
 - The I/O thread is supervised: an unexpected exception in one round is logged and the loop goes
   on; if the thread ends for any other reason than ``close``, ``failure`` says why and ``check``
   raises it (the adapters call it every step, so the engine stops serving instead of answering
@@ -122,6 +126,29 @@ def _unpinned() -> Iterator[None]:
     finally:
         if own is not None:
             os.sched_setaffinity(0, own)
+
+
+def _stop_monitor(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Stop ``sock``'s monitor, then close its reader (the socket stays open).
+
+    libzmq's I/O thread writes a monitored socket's events to the monitor with a blocking send.
+    A reader closed while the socket can still emit (a reconnection under way, an engine torn
+    down after ``close``, which is asynchronous) leaves that send without a peer, and it blocks
+    the I/O thread for good: every socket of the context goes deaf (no accept, no handshake, no
+    heartbeat), though the channel's own thread looks idle. ``disable_monitor`` stops the
+    events under libzmq's monitor lock before the reader goes (tests/unit/
+    test_side_channel_monitor.py)."""
+    if monitor is None:
+        return
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(0)
+
+
+def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Close a monitored socket: its monitor first (``_stop_monitor``), then the socket."""
+    _stop_monitor(sock, monitor)
+    sock.close(0)
 
 
 class SideChannelDead(RuntimeError):
@@ -357,8 +384,7 @@ class SideChannel:
         """Close one connection we opened and tell the receiver its peer is gone."""
         assert dealer.peer.host is not None and dealer.peer.port is not None
         self._dealers.pop((dealer.peer.host, dealer.peer.port), None)
-        dealer.monitor.close(0)
-        dealer.sock.close(0)
+        _close_monitored(dealer.sock, dealer.monitor)
         kind = reason.split(":")[0]
         self.stats.dropped_peers[kind] = self.stats.dropped_peers.get(kind, 0) + 1
         if log and not self._peer_log.warn(
@@ -561,9 +587,8 @@ class SideChannel:
 
     def _close_sockets(self) -> None:
         for dealer in list(self._dealers.values()):
-            dealer.monitor.close(0)
-            dealer.sock.close(0)
+            _close_monitored(dealer.sock, dealer.monitor)
         self._dealers.clear()
-        for sock in (self._router_monitor, self._router, self._wake_recv):
-            if sock is not None:
-                sock.close(0)
+        if self._router is not None:
+            _close_monitored(self._router, self._router_monitor)
+        self._wake_recv.close(0)
