@@ -17,7 +17,6 @@ GROUPS: list[ServerGroup] = []
 
 # A vLLM/SGLang log line at WARNING or above (``WARNING 12-02 17:29:46 [file.py:204] ...``),
 # or a Python traceback's last line.
-_TAIL_BYTES = 256 * 1024  # what is read of a log: its end is what explains a failure
 _NOTABLE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^\w*(Error|Exception): ")
 
 
@@ -29,13 +28,9 @@ def warnings_of(url: str, last: int = 3, width: int = 240) -> str:
         for server in list(group.servers.values()):
             if server.url.rstrip("/") != url:
                 continue
-            try:
-                with open(server.process.log_path, "rb") as log:
-                    log.seek(0, 2)
-                    log.seek(max(0, log.tell() - _TAIL_BYTES))
-                    text = log.read().decode(errors="replace")
-            except OSError as exc:
-                return f"(log unreadable: {exc})"
+            # the end of this run's log (ManagedProcess.tail: bounded, a restart's earlier runs
+            # left out); its notable lines explain a failure
+            text = server.process.tail(lines=2000)
             lines = [line.strip() for line in text.splitlines() if _NOTABLE.search(line)]
             return " | ".join(line[:width] for line in lines[-last:])
     return ""
