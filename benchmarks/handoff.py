@@ -62,8 +62,16 @@ markdown table on stdout and, when matplotlib is importable, a PNG next to the J
     python benchmarks/handoff.py --lengths 512 1024 2048 4096 --repeats 3 \\
         --transports default tcp --out results/handoff.json
 
-The parts live in ``benchmarks/handoffbench/`` (client, servers, flows, runner, summary, tables);
-this script is the entry point and its command line.
+With ``--testbed`` it runs the viability-line sweep instead (issue #16): P and D on separate
+test-bed hosts over shaped links, push, pull and stock ``NixlConnector`` against the planner's
+prediction (``handoffbench/testbed.py`` says what it measures, ``handoffbench/viability.py`` how
+it is predicted and judged):
+
+    flock /tmp/splitserve-integration.lock .venv/bin/python benchmarks/handoff.py --testbed \\
+        --quick --out results/handoff_testbed.json
+
+The parts live in ``benchmarks/handoffbench/`` (client, servers, flows, runner, summary, tables,
+testbed, viability); this script is the entry point and its command line.
 """
 
 from __future__ import annotations
@@ -80,6 +88,7 @@ from handoffbench.runner import vllm_rows
 from handoffbench.servers import nixl_push_available
 from handoffbench.summary import measure_links, summarize, targets
 from handoffbench.tables import markdown, plot, targets_markdown
+from handoffbench.testbed import add_arguments as add_testbed_arguments
 
 from splitserve.models import build_model, resolve_spec
 
@@ -100,8 +109,8 @@ CONTENDERS = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lengths", type=int, nargs="+", help="default 512 1024 2048 4096")
+    parser.add_argument("--repeats", type=int, help="default 3")
     parser.add_argument("--transports", nargs="+", default=["default", "tcp"])
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
     parser.add_argument("--out", type=Path, default=Path("results/handoff.json"))
@@ -118,11 +127,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="summarize the rows of an earlier run's JSON (measuring the links now) and exit",
     )
+    add_testbed_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    command = "python benchmarks/handoff.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.testbed:
+        return run_testbed(args, command)
+    lengths_given, repeats_given = args.lengths is not None, args.repeats is not None
+    args.lengths = args.lengths if lengths_given else [512, 1024, 2048, 4096]
+    args.repeats = args.repeats if repeats_given else 3
     if args.resummarize:
         return resummarize(args)
     # A plain kill (SIGTERM) must still stop the servers this run started (the runner's finally).
@@ -138,9 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
 
     rows += handoff_sglang.rows_for(args, work, model, rng)
-    command = "python benchmarks/handoff.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report(rows, command, args.out, measure_links(args.transports))
     return 0
+
+
+def run_testbed(args: argparse.Namespace, command: str) -> int:
+    """The viability-line sweep across test-bed hosts (``handoffbench.testbed``)."""
+    from handoffbench import testbed
+
+    if args.resummarize:
+        return testbed.resummarize(args.resummarize, args.out)
+    sweep = testbed.settings(args, args.lengths is not None, args.repeats is not None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks still run
+    work = Path(tempfile.mkdtemp(prefix="splitserve-handoff-testbed-"))
+    return testbed.run(args, sweep, work, command)
 
 
 def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) -> None:
