@@ -20,12 +20,27 @@ beyond its next start); a named owner's are removed only by ``down`` with that n
 
 Link shaping (``LinkShape``) is applied on both directions of a host's link: on ``eth0`` in
 the host (what it sends) and on ``p<n>`` in the switch (what it receives). A rate alone uses
-``tbf``; delay and jitter need ``netem`` (``sch_netem``), which some kernels lack: asking for
-them there raises ``TestbedError`` saying so. Loss uses netem where the kernel has it, else
-nftables (``nft``): a ``numgen random`` drop on the *ingress* hook of both ends of the link
-(``eth0`` in the host: what it receives; ``p<n>`` in the switch: what it sends), so a lost
-frame vanishes on the wire as a real one does (a drop on a host's output hook would instead
-return EPERM to its own TCP stack, which then never counts it as sent).
+``tbf``. Delay, jitter and loss use ``netem`` (``sch_netem``) where the kernel has it. Where it
+does not (ours: no ``sch_netem``, ``sch_fq`` or ``act_bpf``):
+
+- loss is nftables' (``nft``): a ``numgen random`` drop on the *ingress* hook of both ends of
+  the link (``eth0`` in the host: what it receives; ``p<n>`` in the switch: what it sends), so
+  a lost frame vanishes on the wire as a real one does (a drop on a host's output hook would
+  instead return EPERM to its own TCP stack, which then never counts it as sent);
+- delay and jitter are a userspace delayer's (``splitserve.launch.netdelay``, one process per
+  shaped host, in the *switch* namespace): iptables rules there (``mangle``, bridged frames
+  seen through ``br_netfilter``) send the frames that enter the bridge from ``p<n>`` (what the
+  host sends, ``PREROUTING``) and those that leave it to ``p<n>`` (what it receives,
+  ``POSTROUTING``) to NFQUEUE number ``n``, whose verdicts the delayer holds back. Two hooks,
+  because an accepted packet resumes at the next hook: a frame between two shaped hosts is
+  delayed by both, as under netem. In the switch and not on the host's own ``OUTPUT``: a
+  packet held there still counts against its socket's TCP small-queue budget (netem orphans
+  it), which throttled a 5 ms link to about 1 MB/s; past the veth it is the wire's. The rules
+  carry ``--queue-bypass``: if the delayer dies, frames pass undelayed instead of vanishing
+  (a dead delayer would otherwise look like a cut); ``shape`` and ``down`` report a delayer
+  that died while shaping, so the bypass is never silent. A delayer exits with its bed's
+  owning process (a crashed run leaves none); ``down`` and the next ``up`` kill any left in
+  a namespace of ours. Limits and measured throughput: docs/environment.md.
 
 A silent cut (``cut``) sets the switch side of the host's veth down: frames from and to the
 host are dropped in the kernel, no FIN and no RST reach either end, and ``heal`` brings it
@@ -37,26 +52,33 @@ A process of the caller's own (a test's HTTP client, an in-process proxy) joins 
 ``Host.entered()``: the calling thread moves into the host's network namespace for the
 block (``setns``); threads it starts meanwhile stay there for their life.
 
-Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``), and ``nft``
-(Debian's ``nftables``; scripts/bootstrap.sh installs it) for loss without netem and for
-cuts between two hosts; ``check`` raises ``TestbedError`` with the reason when namespaces
-cannot be created.
+Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``), ``nft``
+(Debian's ``nftables``) for loss without netem and for cuts between two hosts, and for delay
+without netem ``iptables`` (Debian's, ``iptables-nft`` or ``iptables-legacy``) and the
+``NetfilterQueue`` package (the ``dev`` extra; it builds against Debian's
+``libnetfilter-queue-dev``); scripts/bootstrap.sh installs them all. ``check`` raises
+``TestbedError`` with the reason when namespaces cannot be made, ``shape`` when a tool it
+needs is missing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import logging
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.launch.process import ManagedProcess
+from splitserve.launch import netdelay
+from splitserve.launch.process import ManagedProcess, ProcessStartError
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +106,7 @@ class LinkShape:
     loss_pct: float = 0.0
 
     def needs_netem(self) -> bool:
-        """Delay or jitter: only netem does them (loss has an nftables fallback)."""
+        """Delay or jitter: netem's, else the NFQUEUE delayer's (loss: netem's, else nft's)."""
         return bool(self.delay_ms or self.jitter_ms)
 
 
@@ -119,7 +141,10 @@ def remove_stale() -> list[str]:
             continue
         owner = ns[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not _pid_alive(int(owner)):
+            netdelay.kill_all_in(ns)  # they leave with their owner; this closes the window
             _run(["ip", "netns", "delete", ns], check=False)
+            for log in Path(tempfile.gettempdir()).glob(f"{ns}-netdelay-*.log"):
+                log.unlink(missing_ok=True)
             removed.append(ns)
     if removed:
         logger.info("test bed: removed stale namespaces %s", ", ".join(removed))
@@ -181,6 +206,28 @@ def _ingress_table(table: str, device: str, rules: Sequence[str]) -> str:
 def _loss_rule(loss_pct: float) -> str:
     """Drop ``loss_pct`` % of frames, independently, at a resolution of 0.001 %."""
     return f"numgen random mod 100000 < {round(loss_pct * 1000)} counter drop"
+
+
+def _iptables() -> str:
+    """The iptables binary for the delay rules: the nf_tables one first (``iptables-legacy``
+    needs ``CONFIG_NETFILTER_XTABLES_LEGACY``, on its way out of kernels), else legacy."""
+    for name in ("iptables-nft", "iptables-legacy", "iptables"):
+        found = shutil.which(name) or (Path(f"/usr/sbin/{name}").exists() and f"/usr/sbin/{name}")
+        if found:
+            return found
+    raise TestbedError(
+        "delay and jitter without sch_netem need iptables' NFQUEUE target: as root, "
+        "apt-get install iptables (scripts/bootstrap.sh does)"
+    )
+
+
+def _require_netfilterqueue() -> None:
+    if importlib.util.find_spec("netfilterqueue") is None:
+        raise TestbedError(
+            "delay and jitter without sch_netem need the NetfilterQueue package in "
+            f"{sys.executable}'s environment: as root, apt-get install libnetfilter-queue-dev, "
+            "then pip install NetfilterQueue (the dev extra; make env does both)"
+        )
 
 
 def netem_available() -> bool:
@@ -297,6 +344,7 @@ class Testbed:
         }
         self._netem: bool | None = None
         self._loss: dict[str, float] = {}  # host -> loss % done by nftables
+        self._delayers: dict[str, ManagedProcess] = {}  # host -> its NFQUEUE delayer
         self._blocked: set[frozenset[str]] = set()  # pairs of hosts cut from each other
 
     def __getitem__(self, name: str) -> Host:
@@ -342,6 +390,13 @@ class Testbed:
 
     def down(self) -> None:
         """Delete every namespace of this test bed (its links go with them). Idempotent."""
+        for host in list(self._delayers):
+            with contextlib.suppress(TestbedError):  # logged there; the rules go with the ns
+                self._stop_delayer(host, rules=False)
+        if self.switch in namespaces():
+            netdelay.kill_all_in(self.switch)  # a named owner's from an earlier process
+        for log in Path(tempfile.gettempdir()).glob(f"{self.switch}-netdelay-*.log"):
+            log.unlink(missing_ok=True)
         for ns in self.own_namespaces():
             # Processes still inside keep a namespace alive only through their own handle;
             # the name goes now and the links with the last user.
@@ -356,9 +411,21 @@ class Testbed:
     # -- links --------------------------------------------------------------------------------
 
     def shape(self, host: str, shape: LinkShape | None) -> None:
-        """Shape both directions of ``host``'s link (``None``: unshaped again)."""
+        """Shape both directions of ``host``'s link (``None``: unshaped again). Raises
+        ``TestbedError`` (after applying ``shape``) if the host's previous delayer had died."""
         h = self.hosts[host]
-        use_netem = shape is not None and (shape.needs_netem() or self._loss_by_netem(shape))
+        wants_netem = shape is not None and (shape.needs_netem() or bool(shape.loss_pct))
+        use_netem = wants_netem and self._netem_available()
+        by_queue = shape is not None and shape.needs_netem() and not use_netem
+        if by_queue:  # what it needs, before anything changes
+            _require_netfilterqueue()
+            _iptables()
+        died = None
+        if host in self._delayers:
+            try:
+                self._stop_delayer(host)
+            except TestbedError as exc:
+                died = exc
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.switch_port)):
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
                  check=False)  # fmt: skip
@@ -370,24 +437,18 @@ class Testbed:
         if loss or self._loss.get(host):
             self._loss[host] = loss
             self._apply_filters(host)
+        if by_queue:
+            self._start_delayer(host, shape)  # type: ignore[arg-type]
+        if died is not None:
+            raise died
 
-    def _loss_by_netem(self, shape: LinkShape) -> bool:
-        """Loss goes to netem where the kernel has it, else to nftables."""
-        if not shape.loss_pct:
-            return False
+    def _netem_available(self) -> bool:
         if self._netem is None:
             self._netem = netem_available()
         return self._netem
 
     def _qdisc(self, shape: LinkShape, use_netem: bool) -> list[str]:
         if use_netem:
-            if self._netem is None:
-                self._netem = netem_available()
-            if not self._netem:
-                raise TestbedError(
-                    "delay and jitter need the kernel's sch_netem (CONFIG_NET_SCH_NETEM), "
-                    "which this kernel lacks; a rate (tbf) and loss (nftables) can be shaped here"
-                )
             args = ["netem", "limit", "100000"]
             if shape.delay_ms or shape.jitter_ms:
                 args += ["delay", f"{shape.delay_ms}ms"]
@@ -404,6 +465,74 @@ class Testbed:
         # Queue: 200 ms worth, at least 4 bursts (tbf drops what does not fit; TCP backs off).
         limit = max(4 * burst, int(rate_bytes / 5))
         return ["tbf", "rate", f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
+
+    # -- delay without netem: the NFQUEUE delayer (module docstring) --------------------------
+
+    def _queue_rules(self, host: str, verb: str) -> list[list[str]]:
+        """iptables commands (in the switch) that add (``-A``) or delete (``-D``) the rules
+        sending ``host``'s frames both ways to its queue: number ``index``, bypassed (frames
+        pass) while no delayer listens."""
+        h = self.hosts[host]
+        target = ["-j", "NFQUEUE", "--queue-num", str(h.index), "--queue-bypass"]
+        return [
+            ["ip", "netns", "exec", self.switch, _iptables(), "-w", "-t", "mangle", verb,
+             chain, "-m", "physdev", f"--physdev-{side}", h.switch_port, *target]
+            for chain, side in (("PREROUTING", "in"), ("POSTROUTING", "out"))
+        ]  # fmt: skip
+
+    def _start_delayer(self, host: str, shape: LinkShape) -> None:
+        iptables = _iptables()
+        bridge_nf = "/proc/sys/net/bridge/bridge-nf-call-iptables"
+        proc = _run(["ip", "netns", "exec", self.switch, "sh", "-c", f"echo 1 > {bridge_nf}"],
+                    check=False)  # fmt: skip
+        if proc.returncode != 0:
+            raise TestbedError(
+                f"delay without sch_netem needs br_netfilter ({bridge_nf}): as root, "
+                f"modprobe br_netfilter ({proc.stderr.strip()})"
+            )
+        argv = [sys.executable, "-m", netdelay.MODULE, "--queue", str(self.hosts[host].index),
+                "--delay-ms", str(shape.delay_ms), "--jitter-ms", str(shape.jitter_ms)]  # fmt: skip
+        if self.owner.isdigit():  # a pid's bed: the delayer leaves with it (crashes included)
+            argv += ["--owner-pid", self.owner]
+        log = Path(tempfile.gettempdir()) / f"{self.switch}-netdelay-{host}.log"
+        log.unlink(missing_ok=True)
+        delayer = ManagedProcess(f"netdelay-{host}", ["ip", "netns", "exec", self.switch, *argv],
+                                 log)  # fmt: skip
+        self._delayers[host] = delayer.start()
+        try:
+            delayer.wait_ready(
+                lambda: netdelay.READY in delayer.tail().splitlines(), timeout=60, interval=0.05
+            )
+            for rule in self._queue_rules(host, "-A"):
+                _run(rule)
+        except (ProcessStartError, TestbedError) as exc:
+            with contextlib.suppress(TestbedError):
+                self._stop_delayer(host)
+            raise TestbedError(f"delay on {host}'s link ({iptables}): {exc}") from exc
+        logger.info(
+            "test bed: %s's link delayed %g ms +- %g ms (NFQUEUE %d, delayer pid %d)",
+            host, shape.delay_ms, shape.jitter_ms, self.hosts[host].index, delayer.pid,
+        )  # fmt: skip
+
+    def _stop_delayer(self, host: str, rules: bool = True) -> None:
+        """Remove ``host``'s queue rules (``rules``), then stop its delayer (which accepts what
+        it holds). Raises ``TestbedError`` if the delayer had died meanwhile."""
+        delayer = self._delayers.pop(host)
+        if rules:
+            for rule in self._queue_rules(host, "-D"):
+                _run(rule, check=False)  # absent if the start failed before adding it
+        code = delayer.returncode()
+        tail = delayer.tail(10)
+        delayer.stop(grace=5)
+        delayer.log_path.unlink(missing_ok=True)
+        if code is not None:
+            message = (
+                f"the delayer of {host}'s link had exited (code {code}) before it was stopped: "
+                f"since then the link was not delayed (the rules bypass a dead queue); its "
+                f"last lines:\n{tail}"
+            )
+            logger.error("test bed: %s", message)
+            raise TestbedError(message)
 
     def _apply_filters(self, host: str) -> None:
         """Write ``host``'s nftables state: its loss on both ingress ends of its link, and the
@@ -458,7 +587,11 @@ class Testbed:
                          check=False).stdout.strip()  # fmt: skip
             link = state[1] if len(state) > 1 else "?"
             first = qdisc.splitlines()[0] if qdisc else "-"
-            lines.append(f"{h.name}: {h.address} netns={h.netns} link={link} qdisc={first}")
+            line = f"{h.name}: {h.address} netns={h.netns} link={link} qdisc={first}"
+            for pid, options in netdelay.running_in(self.switch).items():
+                if options.queue == h.index:
+                    line += f" delay={options.delay_ms:g}+-{options.jitter_ms:g}ms (pid {pid})"
+            lines.append(line)
         return lines
 
 

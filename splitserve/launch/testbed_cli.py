@@ -1,8 +1,9 @@
 """``splitserve testbed up|down|status``: the multi-host test bed by hand (see testbed.py).
 
 The beds made here belong to the owner ``cli`` (not a pid), so they outlive the command and are
-removed only by ``splitserve testbed down``. Run a command on a host with
-``ip netns exec ss-tb-cli-<host> <command>``.
+removed only by ``splitserve testbed down``; so do their delayers (``--delay-ms`` without
+netem: one process per host in the switch namespace, stopped by ``down``). Run a command on a
+host with ``ip netns exec ss-tb-cli-<host> <command>``.
 """
 
 from __future__ import annotations
@@ -44,13 +45,31 @@ def testbed() -> None:
     default=0.0,
     help="Drop this % of frames both ways on every host's link (netem, else nftables).",
 )
-def up(hosts: tuple[str, ...], rate_mbit: float | None, loss_pct: float) -> None:
+@click.option(
+    "--delay-ms",
+    type=float,
+    default=0.0,
+    help="Delay every host's link this much each way (netem, else an NFQUEUE delayer).",
+)
+@click.option(
+    "--jitter-ms", type=float, default=0.0, help="Its standard deviation (normal, like netem)."
+)
+def up(
+    hosts: tuple[str, ...],
+    rate_mbit: float | None,
+    loss_pct: float,
+    delay_ms: float,
+    jitter_ms: float,
+) -> None:
     """Create the hosts (default: p d proxy), replacing a bed of ours left from before."""
+    shape = tb.LinkShape(
+        rate_mbit=rate_mbit, delay_ms=delay_ms, jitter_ms=jitter_ms, loss_pct=loss_pct
+    )
     try:
         bed = _bed(hosts or ("p", "d", "proxy")).up()
-        if rate_mbit or loss_pct:
+        if rate_mbit or loss_pct or shape.needs_netem():
             for name in bed.hosts:
-                bed.shape(name, tb.LinkShape(rate_mbit=rate_mbit, loss_pct=loss_pct))
+                bed.shape(name, shape)
     except tb.TestbedError as exc:
         raise click.ClickException(str(exc)) from exc
     for line in bed.status():

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
+import psutil
 import pytest
 
+from splitserve.launch import netdelay
 from splitserve.launch import testbed as tbmod
 from splitserve.launch.testbed import LinkShape, Testbed, TestbedError
 
@@ -124,6 +129,13 @@ def bed():
         bed.root_before = before
         yield bed
     assert not [ns for ns in tbmod.namespaces() if ns in {bed.switch, bed["a"].netns}]
+    mine = ["--owner-pid", str(os.getpid())]
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if netdelay.MODULE in (argv := p.info["cmdline"] or []) and " ".join(mine) in " ".join(argv)
+    ]
+    assert not left, f"delayers left running: {left}"
 
 
 def test_hosts_talk_tcp_and_root_namespace_untouched(bed):
@@ -161,27 +173,155 @@ def test_rate_limit_takes_effect(bed):
     assert "tbf" not in bed["a"].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
 
 
-def test_delay_needs_netem_or_applies(bed):
-    """Delay is netem's: applied where the kernel has it, refused with the reason where not."""
-    if not tbmod.netem_available():
-        with pytest.raises(TestbedError, match="sch_netem"):
-            bed.shape("a", LinkShape(delay_ms=50))
-        return
-    bed.shape("a", LinkShape(delay_ms=50))
+def round_trips(bed: Testbed, src: str, dst: str, count: int = 200) -> list[float]:
+    """``count`` round trips in ms of a 1-byte TCP echo from ``src`` to ``dst`` (the server a
+    thread here, its socket the host's: opened inside it with ``Host.entered``)."""
+    with bed[dst].entered():
+        server = socket.create_server((bed[dst].address, 0))
+    server.settimeout(30)
+
+    def echo() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while data := conn.recv(4096):
+                    conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    samples = []
     try:
-        srv, cli = connect(bed, "b", "a")
-        try:
-            t0 = time.monotonic()
-            assert cli.ask("send 10") == "sent"
-            assert srv.ask("recv 10") == "data 10"
-            assert srv.ask("send 10") == "sent"
-            assert cli.ask("recv 10") == "data 10"
-            assert time.monotonic() - t0 > 0.1  # two one-way trips, each 50 ms both ways
-        finally:
-            srv.close()
-            cli.close()
+        with bed[src].entered():
+            client = socket.create_connection((bed[dst].address, server.getsockname()[1]), 10)
+        with client:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(count):
+                t0 = time.perf_counter()
+                client.sendall(b"p")
+                assert client.recv(16) == b"p"
+                samples.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        server.close()
+        thread.join(30)
+    return samples
+
+
+def iqr(samples: list[float]) -> float:
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return q3 - q1
+
+
+def transfer(bed: Testbed, src: str, dst: str, payload: bytes) -> bytes:
+    """Send ``payload`` over TCP from ``src`` to ``dst``; what arrived."""
+    with bed[dst].entered():
+        server = socket.create_server((bed[dst].address, 0))
+    server.settimeout(30)
+    got = bytearray()
+
+    def sink() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                while data := conn.recv(1 << 20):
+                    got.extend(data)
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    try:
+        with bed[src].entered():
+            client = socket.create_connection((bed[dst].address, server.getsockname()[1]), 10)
+        with client:
+            client.sendall(payload)
+        thread.join(120)
+    finally:
+        server.close()
+    return bytes(got)
+
+
+def queue_state(bed: Testbed) -> tuple[dict[int, object], str]:
+    """The delayers in the switch and its iptables rules (the delay path without netem)."""
+    rules = subprocess.run(
+        ["ip", "netns", "exec", bed.switch, tbmod._iptables(), "-t", "mangle", "-S"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return netdelay.running_in(bed.switch), rules
+
+
+def test_delay_and_jitter_add_round_trip_time_then_go(bed):
+    """A 5 ms delay on a's link (netem, else the NFQUEUE delayer) adds about 10 ms to a round
+    trip from a to b (a's link both ways); jitter (+- 2 ms, normal) widens the spread; after
+    ``shape(a, None)`` the delay is gone and so are the delayer and its rules. The bounds are
+    loose: an emulator's job is to add delay, so only the lower bound is tight-ish."""
+    base = round_trips(bed, "a", "b")
+    by_queue = not tbmod.netem_available()
+    bed.shape("a", LinkShape(delay_ms=5))
+    try:
+        if by_queue:
+            delayers, rules = queue_state(bed)
+            assert len(delayers) == 1 and rules.count("NFQUEUE") == 2, (delayers, rules)
+        delayed = round_trips(bed, "a", "b")
+        bed.shape("a", LinkShape(delay_ms=5, jitter_ms=2))
+        jittered = round_trips(bed, "a", "b", count=400)
     finally:
         bed.shape("a", None)
+    after = round_trips(bed, "a", "b")
+    added = statistics.median(delayed) - statistics.median(base)
+    assert 7.5 <= added <= 20, (added, statistics.median(base))
+    added = statistics.median(jittered) - statistics.median(base)
+    assert 7.5 <= added <= 20, added
+    # Two normal(5, 2) delays per round trip: the IQR of their sum is 1.35 * 2.83 = 3.8 ms.
+    assert iqr(jittered) > max(1.5, iqr(delayed)), (iqr(jittered), iqr(delayed))
+    assert statistics.median(after) < statistics.median(base) + 2.5, statistics.median(after)
+    assert queue_state(bed)[0] == {}
+    assert "NFQUEUE" not in queue_state(bed)[1]
+
+
+def test_delay_composes_with_rate_and_loss_and_bytes_arrive_intact(bed):
+    """Rate (tbf), loss (nftables where netem is missing) and delay with jitter at once on a's
+    link, and a delay on b's too: 4 MB of random bytes from a to b arrive intact, the round
+    trip between the two shaped hosts carries both their delays (4 x 5 ms), and unshaping
+    leaves nothing."""
+    payload = os.urandom(4 << 20)
+    bed.shape("a", LinkShape(rate_mbit=200, delay_ms=5, jitter_ms=2, loss_pct=1))
+    bed.shape("b", LinkShape(delay_ms=5))
+    try:
+        qdisc = bed["a"].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+        assert ("netem" if tbmod.netem_available() else "tbf") in qdisc, qdisc
+        got = transfer(bed, "a", "b", payload)
+        assert len(got) == len(payload) and got == payload
+        base_free = statistics.median(round_trips(bed, "c", "b", count=50))  # b's delay only
+        both = statistics.median(round_trips(bed, "a", "b", count=100))
+        assert both - base_free >= 7.5, (both, base_free)  # a's link on top of b's
+        assert 15 <= both <= 60, both
+        if not tbmod.netem_available():
+            assert len(queue_state(bed)[0]) == 2
+    finally:
+        bed.shape("a", None)
+        bed.shape("b", None)
+    assert queue_state(bed)[0] == {} and "NFQUEUE" not in queue_state(bed)[1]
+    assert "tbf" not in bed["a"].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+
+
+def test_a_dead_delayer_lets_frames_pass_and_is_reported(bed):
+    """Without netem: the rules bypass a queue nobody reads, so when the delayer dies the link
+    carries on undelayed (not blackholed), and the next ``shape`` of the host says so."""
+    if tbmod.netem_available():
+        pytest.skip("this kernel has sch_netem: delay is netem's, there is no delayer to lose")
+    bed.shape("a", LinkShape(delay_ms=50))
+    try:
+        (pid,) = queue_state(bed)[0]
+        assert statistics.median(round_trips(bed, "a", "b", count=5)) >= 75
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pid in queue_state(bed)[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert statistics.median(round_trips(bed, "a", "b", count=20)) < 50  # passes, undelayed
+    finally:
+        with pytest.raises(TestbedError, match="had exited"):
+            bed.shape("a", None)
+    assert queue_state(bed)[0] == {} and "NFQUEUE" not in queue_state(bed)[1]
 
 
 def test_silent_cut_sends_no_fin_or_rst_and_heals(bed):
@@ -205,17 +345,26 @@ def test_silent_cut_sends_no_fin_or_rst_and_heals(bed):
 
 
 def test_stale_namespaces_of_a_crashed_run_are_removed():
+    """A run that dies without ``down``: its delayer (a delay on its host, without netem)
+    exits with it, and the next ``up`` removes its namespaces."""
     code = (
-        "import os; from splitserve.launch.testbed import Testbed; "
-        "bed = Testbed(['x']); bed.up(); print(bed.switch, bed['x'].netns, flush=True); "
+        "import os; from splitserve.launch.testbed import LinkShape, Testbed; "
+        "from splitserve.launch import netdelay; "
+        "bed = Testbed(['x']); bed.up(); bed.shape('x', LinkShape(delay_ms=5)); "
+        "print(bed.switch, bed['x'].netns, *netdelay.running_in(bed.switch), flush=True); "
         "os._exit(1)"  # dies without tearing down, as a crash would
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
     left = out.stdout.split()
-    assert len(left) == 2, out.stderr
-    assert set(left) <= set(tbmod.namespaces())
+    assert len(left) == (2 if tbmod.netem_available() else 3), out.stderr
+    for pid in map(int, left[2:]):  # the delayer watches its owner's pidfd: gone at once
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(pid), f"the crashed run's delayer {pid} is still running"
+    assert set(left[:2]) <= set(tbmod.namespaces())
     with Testbed(["y"], owner="stalecheck") as bed:  # not the module bed's owner (its switch)
-        assert not set(left) & set(tbmod.namespaces())
+        assert not set(left[:2]) & set(tbmod.namespaces())
         assert bed["y"].netns in tbmod.namespaces()
     assert bed["y"].netns not in tbmod.namespaces()
 
