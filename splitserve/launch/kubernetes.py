@@ -151,7 +151,17 @@ def generate_keys(dep: Deployment) -> dict[str, str]:
 def build_manifests(
     dep: Deployment, source: str = "<config>", keys: dict[str, str] | None = None
 ) -> Manifests:
-    """Every manifest of ``dep`` (``keys``: the Secret's values; fresh ones by default)."""
+    """Every manifest of ``dep`` (``keys``: the Secret's values; fresh ones by default).
+
+    A deployment placed on hosts (``prefill.hosts`` ...) is refused: on Kubernetes the scheduler
+    places pods and gives them their addresses, so host addresses would be silently dropped
+    (and D's ``allowed_prefill_hosts`` derived from them would name nodes no pod has)."""
+    if dep.placed:
+        raise DeploymentError(
+            f"{source}: prefill.hosts, decode.hosts and proxy.host place servers on machines "
+            "for `splitserve up --host`; on Kubernetes the scheduler places the pods: remove "
+            "them to emit manifests, and steer pools with kubernetes.node_selectors"
+        )
     k8s = settings_of(dep, source)
     ctx = ObjectContext(dep, k8s, keys if keys is not None else generate_keys(dep))
     return Manifests(

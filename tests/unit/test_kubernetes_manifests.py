@@ -201,6 +201,18 @@ def test_settings_reach_the_manifests() -> None:
     assert m.files["kustomization.yaml"][0]["namespace"] == "llm"
 
 
+def test_a_deployment_placed_on_hosts_is_refused_naming_the_keys() -> None:
+    """Pods get their addresses from Kubernetes: placing servers on hosts cannot be emitted."""
+    data = _demo()
+    data["prefill"].update(hosts=["10.0.0.1"], side_channel_base_port=5701)
+    data["decode"].update(hosts=["10.0.0.2"], side_channel_base_port=5701)
+    data["proxy"].update(host="10.0.0.3", insecure=True)  # the refusal is not about the key
+    dep = parse_deployment(data, "dep.yaml")
+    assert dep.placed
+    with pytest.raises(DeploymentError, match="dep.yaml: prefill.hosts, decode.hosts and proxy"):
+        build_manifests(dep, "dep.yaml")
+
+
 def test_cli_emits_a_directory(tmp_path) -> None:
     result = CliRunner().invoke(
         cli, ["up", str(ROOT / "configs" / "demo-cpu.yaml"), "--emit", "kubernetes", str(tmp_path)]
