@@ -40,18 +40,23 @@ fi
 case "$DEVICE" in cpu|gpu) ;; *) fail "SPLITSERVE_DEVICE='$DEVICE'" "use cpu or gpu";; esac
 
 # System tools the integration tests need, from apt: checked on every run (cheap), installed
-# once; apt needs root, as in CI. ensure_tool COMMAND PACKAGE WHAT-NEEDS-IT
-ensure_tool() {
-    if command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; then
-        return 0
-    fi
+# once; apt needs root, as in CI. apt_install PACKAGE WHAT-NEEDS-IT, for the checks below.
+apt_install() {
     { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || fail "$1 is missing" \
-        "as root: apt-get install $2 ($3)"
-    echo "bootstrap: installing $2 (apt)"
+        "as root: apt-get install $1 ($2)"
+    echo "bootstrap: installing $1 (apt)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q "$2" >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q "$2" >/dev/null; } \
-        || fail "apt-get install $2 failed" "read apt's error above; rerun 'make env'"
+    apt-get install -y -q "$1" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q "$1" >/dev/null; } \
+        || fail "apt-get install $1 failed" "read apt's error above; rerun 'make env'"
+}
+# ensure_tool COMMAND PACKAGE WHAT-NEEDS-IT: a command on the PATH (or in /usr/sbin).
+ensure_tool() {
+    command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || apt_install "$2" "$3"
+}
+# ensure_header HEADER PACKAGE WHAT-NEEDS-IT: a C header under /usr/include (a -dev package).
+ensure_header() {
+    [ -f "/usr/include/$1" ] || apt_install "$2" "$3"
 }
 
 # dnsmasq (Debian's dnsmasq-base: the binary, no service): the real DNS server that
@@ -63,6 +68,13 @@ ensure_tool tc iproute2 "the test bed, tests/integration/test_testbed.py"
 # nftables (`nft`): the test bed's packet loss where the kernel lacks sch_netem, and its cuts
 # between two hosts (splitserve/launch/testbed.py).
 ensure_tool nft nftables "the test bed's loss and cuts, tests/integration/test_testbed.py"
+# The test bed's delay and jitter where the kernel lacks sch_netem: iptables' NFQUEUE rules
+# (iptables-nft, from Debian's iptables) and the NetfilterQueue package of the dev extra,
+# which pip builds with a C compiler against libnetfilter_queue's headers.
+ensure_tool iptables-nft iptables "the test bed's delay, tests/integration/test_testbed.py"
+ensure_tool cc gcc "building NetfilterQueue (dev extra) for the test bed's delay"
+ensure_header libnetfilter_queue/libnetfilter_queue.h libnetfilter-queue-dev \
+    "building NetfilterQueue (dev extra) for the test bed's delay"
 
 install_spec() {
     "$PY" - <<'PYEOF'
