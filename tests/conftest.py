@@ -121,6 +121,7 @@ INTEGRATION_ORDER = [
     "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
     "test_proxy_sglang.py",  # the same pair
     "test_sglang_server.py",
+    "test_engines_cross_host.py",  # "sglang-single" as reference; its own test-bed pairs
     "test_up.py",  # its own deployment, not the pool
 ]
 
