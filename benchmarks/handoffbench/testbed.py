@@ -51,7 +51,7 @@ BLOCK = 128  # vLLM CPU's block size
 KINDS = ("push", "pull", "nixl")
 QUICK = {"rates": [250.0, 1000.0], "lengths": [512], "repeats": 1, "probe_s": 1.0}
 FULL = {
-    "rates": [200.0, 350.0, 500.0, 700.0, 1000.0, 2000.0],
+    "rates": [250.0, 500.0, 700.0, 1000.0, 1500.0, 3000.0],
     "lengths": [512, 1024],
     "repeats": 2,
     "probe_s": 2.0,

@@ -160,6 +160,7 @@ def summarize(
                 entry["within"] = within(entry["exposed_s"], entry["predicted_s"])
         points.append(entry)
     return {
+        "num_layers": num_layers,
         "points": points,
         "crossovers": crossovers(points, num_layers),
         "vs_stock": vs_stock(points),
@@ -205,6 +206,8 @@ def crossovers(points: list[dict], num_layers: int) -> list[dict]:
                 "predicted_bps": predicted,
                 "measured_bps": measured["bps"],
                 "how": measured["how"],
+                "slice_bytes": slice_bytes,
+                "fixed_s": fixed,
             }
             if measured["bps"]:
                 row["ratio"] = measured["bps"] / predicted
@@ -313,6 +316,27 @@ def verdict(summary: dict) -> list[str]:
     ]
 
 
+def _curve(summary: dict, kind: str, length: int, x: list[float]) -> list[tuple[float, float]]:
+    """The prediction as a line over the measured goodputs' range (Gbit/s, ms), from the
+    direction's median t_c: the kink is the predicted crossover."""
+    row = next((c for c in summary["crossovers"] if (c["kind"], c["length"]) == (kind, length)),
+               None)  # fmt: skip
+    if row is None or not x:
+        return []
+    lo, hi = min(x), max(x)
+    grid = [lo * (hi / lo) ** (i / 80) for i in range(81)] if hi > lo else [lo]
+    return [
+        (
+            g,
+            1e3
+            * predict(
+                summary["num_layers"], row["slice_bytes"], g * 1e9 / 8, row["fixed_s"], row["t_c_s"]
+            )["predicted_s"],
+        )  # fmt: skip
+        for g in grid
+    ]
+
+
 def plot(summary: dict, path, pyplot) -> bool:  # noqa: ANN001 - pathlib.Path, module
     """Exposed handoff against link goodput, measured (markers) and predicted (lines), one
     panel per prompt length, one color per direction; stock's transfer for reference."""
@@ -340,11 +364,7 @@ def plot(summary: dict, path, pyplot) -> bool:  # noqa: ANN001 - pathlib.Path, m
             measured = [
                 (xi, 1e3 * p["exposed_s"]) for xi, p in zip(x, pts, strict=True) if "exposed_s" in p
             ]
-            predicted = [
-                (xi, 1e3 * p["predicted_s"])
-                for xi, p in zip(x, pts, strict=True)
-                if "predicted_s" in p
-            ]
+            predicted = _curve(summary, kind, length, x)
             if measured:
                 ax.plot(
                     *zip(*measured, strict=True), "o", color=colors[kind], label=f"{kind} measured"
