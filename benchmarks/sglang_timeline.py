@@ -14,12 +14,24 @@ where the time goes: ``wait_reg`` (P's request -> D's REGISTER seen by P's poll)
 (P's ``init`` -> its first forward), ``forward`` (the sum of its chunks' forwards), ``gaps``
 (between its chunks), ``tail`` (last forward end -> DONE seen at D), ``to_decode`` (DONE -> D's
 first decode step), ``handoff`` (D's exposed handoff). A last row gives the medians.
+
+With ``--rows RUN.json`` (a ``benchmarks/handoff.py`` output: its SGLang PD rows carry the
+request's ``room`` and the client's ``send_wall`` / ``first_wall``), each request also gets its
+prompt ``length``, the client's points ``client_send`` and ``client_first`` (first streamed
+token), and the spans ``to_servers`` (client send -> the first server's event), ``to_client``
+(DONE at D -> first token at the client) and ``ttft``; medians are then given per length too:
+
+    python benchmarks/sglang_timeline.py --prefill-log p.log --decode-log d.log --rows run.json
+
+``--plot PNG`` (with ``--rows``, when matplotlib is importable) draws the median request of each
+length as a bar of consecutive spans, client send to first token.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -45,6 +57,8 @@ POINTS = (
     "d_first_decode",
 )
 SPANS = ("wait_reg", "queue", "forward", "gaps", "chunks", "tail", "to_decode", "handoff")
+CLIENT_POINTS = ("client_send", "client_first")  # only with --rows
+CLIENT_SPANS = ("to_servers", "to_client", "ttft")
 
 
 @dataclass
@@ -55,6 +69,8 @@ class Request:
     last_layer: float = 0.0
     handoff_s: float | None = None
     failed: bool = False
+    length: int | None = None  # from the client's rows (--rows)
+    client: dict[str, float] = field(default_factory=dict)  # client_send, client_first
     _open: float | None = None
 
     def add(self, name: str, wall: float, fields: dict[str, str]) -> None:
@@ -82,12 +98,19 @@ class Request:
         return out
 
     def row(self) -> dict[str, float | str | None]:
-        """Milliseconds from the first event: every point, then the spans."""
-        points = self.points()
+        """Milliseconds from the first event: every point, then the spans (and, if the client's
+        rows were read, its points and spans, milliseconds from the same origin)."""
+        server_points = self.points()
+        points = server_points | self.client
         t0 = min(points.values())
         row: dict[str, float | str | None] = {"room": self.room}
+        if self.client:
+            row["length"] = self.length
         for name in POINTS:
             row[name] = _ms(points.get(name), t0)
+        if self.client:
+            for name in CLIENT_POINTS:
+                row[name] = _ms(points.get(name), t0)
 
         def span(a: str, b: str) -> float | None:
             return _ms(points.get(b), points.get(a))
@@ -102,6 +125,11 @@ class Request:
         row["tail"] = span("fwd_last_end", "d_done")
         row["to_decode"] = span("d_done", "d_first_decode")
         row["handoff"] = None if self.handoff_s is None else round(1e3 * self.handoff_s, 2)
+        if self.client:
+            first_server = min(server_points.values()) if server_points else None
+            row["to_servers"] = _ms(first_server, points.get("client_send"))
+            row["to_client"] = span("d_done", "client_first")
+            row["ttft"] = span("client_send", "client_first")
         row["failed"] = "yes" if self.failed else ""
         return row
 
@@ -124,17 +152,89 @@ def read_logs(paths: list[Path]) -> dict[str, Request]:
     return dict(sorted(requests.items(), key=lambda kv: min(kv[1].points().values())))
 
 
+def add_client_rows(requests: dict[str, Request], rows: list[dict]) -> int:
+    """The client's send and first-token wall clocks and the prompt length of each request the
+    benchmark's ``rows`` name by ``room``; returns how many matched a logged request."""
+    matched = 0
+    for row in rows:
+        request = requests.get(str(row.get("room")))
+        if request is None or "send_wall" not in row or "first_wall" not in row:
+            continue
+        request.client = {"client_send": row["send_wall"], "client_first": row["first_wall"]}
+        request.length = row.get("length")
+        matched += 1
+    return matched
+
+
+def _median_row(label: str, rows: list[dict]) -> dict[str, float | str | None]:
+    median: dict[str, float | str | None] = {"room": label}
+    for name in rows[0]:
+        if name in ("room", "failed"):
+            continue
+        values = [row[name] for row in rows if isinstance(row.get(name), int | float)]
+        median[name] = round(statistics.median(values), 2) if values else None
+    median["failed"] = ""
+    return median
+
+
 def table(requests: dict[str, Request]) -> list[dict[str, float | str | None]]:
-    """One row per request, then a row of medians."""
+    """One row per request, then a row of medians per prompt length (when the client's rows
+    gave lengths) and a row of medians over all."""
     rows = [r.row() for r in requests.values() if {"p_request", "d_request"} & set(r.events)]
+    if rows and any(r.client for r in requests.values()):
+        # rows of requests the client did not name (e.g. warm-ups) are left out
+        rows = [row for row in rows if row.get("length") is not None]
     if rows:
-        median: dict[str, float | str | None] = {"room": "median"}
-        for name in (*POINTS, *SPANS):
-            values = [row[name] for row in rows if isinstance(row.get(name), int | float)]
-            median[name] = round(statistics.median(values), 2) if values else None
-        median["failed"] = ""
-        rows.append(median)
+        medians = []
+        lengths = sorted({row["length"] for row in rows if row.get("length") is not None})
+        for length in lengths:
+            of_length = [row for row in rows if row.get("length") == length]
+            medians.append(_median_row(f"median {length}", of_length))
+        rows += medians + [_median_row("median", rows)]
     return rows
+
+
+# consecutive spans of one request, client send -> first token (the plot's segments)
+PLOT_SPANS = (
+    ("client -> P", "client_send", "p_request"),
+    ("wait for D's REGISTER", "p_request", "p_registered"),
+    ("to P's forward", "p_registered", "fwd_first_start"),
+    ("P's forward(s)", "fwd_first_start", "fwd_last_end"),
+    ("last forward -> DONE at D", "fwd_last_end", "d_done"),
+    ("DONE -> client's first token", "d_done", "client_first"),
+)
+
+
+def plot(rows: list[dict[str, float | str | None]], path: Path, title: str = "") -> bool:
+    """The median request of each length as consecutive spans (``PLOT_SPANS``); False when
+    matplotlib is missing or no median row has the client's points."""
+    medians = [r for r in rows if str(r["room"]).startswith("median ")]
+    medians = [r for r in medians if all(r.get(a) is not None for _, a, _ in PLOT_SPANS)]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if not medians:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(medians)))
+    colors = plt.get_cmap("tab10").colors
+    for y, row in enumerate(medians):
+        for i, (label, a, b) in enumerate(PLOT_SPANS):
+            start, end = float(row[a]), float(row[b])  # type: ignore[arg-type]
+            ax.barh(y, (end - start) / 1e3, left=start / 1e3, color=colors[i],
+                    label=label if y == 0 else None)  # fmt: skip
+    ax.set_yticks(range(len(medians)), [f"{r['length']} tokens" for r in medians])
+    ax.set_xlabel("seconds from the client's send (median request)")
+    ax.set_title(title or "SGLang P/D with the splitserve backend: where TTFT goes")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def markdown(rows: list[dict[str, float | str | None]]) -> str:
@@ -153,14 +253,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-log", type=Path, required=True)
     parser.add_argument("--decode-log", type=Path, required=True)
     parser.add_argument("--csv", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--rows", type=Path, help="a benchmarks/handoff.py JSON: the client's points and lengths"
+    )
+    parser.add_argument("--plot", type=Path, help="a PNG of the median request per length")
+    parser.add_argument("--title", default="", help="the plot's title")
     args = parser.parse_args(argv)
-    rows = table(read_logs([args.prefill_log, args.decode_log]))
+    requests = read_logs([args.prefill_log, args.decode_log])
+    if args.rows is not None:
+        run_rows = json.loads(args.rows.read_text())["rows"]
+        if not add_client_rows(requests, run_rows):
+            print(f"no request of {args.rows} is in these logs", file=sys.stderr)
+    rows = table(requests)
     print(markdown(rows))
     if args.csv is not None and rows:
         with args.csv.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+    if args.plot is not None:
+        if plot(rows, args.plot, args.title):
+            print(f"plot: {args.plot}")
+        else:
+            print("no plot (needs matplotlib and --rows)", file=sys.stderr)
     return 0
 
 

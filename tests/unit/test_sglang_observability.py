@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -260,3 +261,69 @@ def test_timeline_script_joins_two_logs_into_one_row_per_request(tmp_path, capsy
     out = capsys.readouterr().out
     assert out.startswith("| room |") and "| median |" in out
     assert csv_path.read_text().startswith("room,")
+
+
+def _write_logs(tmp_path, rooms):
+    """A P and a D log with one minimal request per (room, start) in ``rooms``."""
+    p_lines, d_lines = [], []
+    for room, t in rooms:
+        p_lines += [
+            format_event(room, "p_request", t + 0.010, {}),
+            format_event(room, "p_init", t + 0.040, {}),
+            format_event(room, "p_forward_start", t + 0.050, {}),
+            format_event(room, "p_forward_end", t + 0.250, {"last_layer": t + 0.249}),
+        ]
+        d_lines += [
+            format_event(room, "d_request", t + 0.002, {}),
+            format_event(room, "d_done", t + 0.255, {"handoff": 0.005}),
+            format_event(room, "d_first_decode", t + 0.300, {}),
+        ]
+    p_log, d_log = tmp_path / "p.log", tmp_path / "d.log"
+    p_log.write_text("".join(f"[ts] INFO conn: {line}\n" for line in p_lines))
+    d_log.write_text("".join(f"[ts] INFO conn: {line}\n" for line in d_lines))
+    return p_log, d_log
+
+
+def test_timeline_script_adds_the_clients_points_and_medians_per_length(tmp_path, capsys):
+    """--rows: the benchmark's rows (room, send_wall, first_wall, length) add the client's points
+    and spans to each request they name, leave out the requests they do not (warm-ups), and
+    give a median row per prompt length."""
+    script = _load_timeline_script()
+    rooms = [("1", 1000.0), ("2", 2000.0), ("3", 3000.0), ("warm", 500.0)]
+    p_log, d_log = _write_logs(tmp_path, rooms)
+    with p_log.open("a") as f:  # P's registered point, for the plot's consecutive spans
+        for room, t in rooms:
+            f.write(f"[ts] INFO conn: {format_event(room, 'p_registered', t + 0.03, {})}\n")
+    run_rows = [
+        {"room": "1", "length": 512, "send_wall": 1000.0, "first_wall": 1000.280},
+        {"room": "2", "length": 512, "send_wall": 2000.0, "first_wall": 2000.260},
+        {"room": "3", "length": 2048, "send_wall": 3000.0, "first_wall": 3000.400},
+        {"contender": "sglang-colocated", "length": 512, "ttft_s": 0.2},  # no room
+    ]
+    (tmp_path / "run.json").write_text(json.dumps({"rows": run_rows}))
+    argv = ["--prefill-log", str(p_log), "--decode-log", str(d_log)]
+    assert script.main([*argv, "--rows", str(tmp_path / "run.json")]) == 0
+    requests = script.read_logs([p_log, d_log])
+    assert script.add_client_rows(requests, run_rows) == 3
+    rows = script.table(requests)
+    assert [r["room"] for r in rows] == ["1", "2", "3", "median 512", "median 2048", "median"]
+    first = rows[0]
+    assert first["length"] == 512 and first["client_send"] == 0 and first["d_request"] == 2
+    assert first["to_servers"] == pytest.approx(2) and first["ttft"] == pytest.approx(280)
+    assert first["to_client"] == pytest.approx(25)
+    assert rows[3]["ttft"] == pytest.approx(270) and rows[4]["ttft"] == pytest.approx(400)
+    assert rows[5]["ttft"] == pytest.approx(280)
+    out = capsys.readouterr().out
+    assert "| median 2048 |" in out and "warm" not in out
+    pytest.importorskip("matplotlib")
+    assert script.plot(rows, tmp_path / "spans.png") is True
+    assert (tmp_path / "spans.png").read_bytes().startswith(b"\x89PNG")
+    assert script.plot(rows[:3], tmp_path / "none.png") is False  # no median rows
+
+
+def test_timeline_script_without_rows_keeps_every_request_and_no_client_columns(tmp_path):
+    script = _load_timeline_script()
+    p_log, d_log = _write_logs(tmp_path, [("1", 1000.0), ("warm", 500.0)])
+    rows = script.table(script.read_logs([p_log, d_log]))
+    assert [r["room"] for r in rows] == ["warm", "1", "median"]
+    assert not set(script.CLIENT_POINTS + script.CLIENT_SPANS) & set(rows[0])
