@@ -205,9 +205,29 @@ PLOT_SPANS = (
 )
 
 
-def plot(rows: list[dict[str, float | str | None]], path: Path, title: str = "") -> bool:
-    """The median request of each length as consecutive spans (``PLOT_SPANS``); False when
-    matplotlib is missing or no median row has the client's points."""
+def colocated_ttft_ms(run_rows: list[dict], requests: dict[str, Request]) -> dict[int, float]:
+    """Per length, the median TTFT (ms) of the colocated requests of the round of the logged
+    PD requests (``sglang-colocated`` rows whose ``round`` is their contender)."""
+    contenders = [r.get("contender") for r in run_rows if str(r.get("room")) in requests]
+    if not contenders:
+        return {}
+    contender = max(set(contenders), key=contenders.count)
+    by_length: dict[int, list[float]] = {}
+    for r in run_rows:
+        if r.get("contender") == "sglang-colocated" and r.get("round") == contender:
+            by_length.setdefault(int(r["length"]), []).append(1e3 * float(r["ttft_s"]))
+    return {length: statistics.median(v) for length, v in by_length.items()}
+
+
+def plot(
+    rows: list[dict[str, float | str | None]],
+    path: Path,
+    title: str = "",
+    reference_ms: dict[int, float] | None = None,
+) -> bool:
+    """The median request of each length as consecutive spans (``PLOT_SPANS``), with the
+    colocated server's median TTFT of the same round as a black tick (``reference_ms``, by
+    length); False when matplotlib is missing or no median row has the client's points."""
     medians = [r for r in rows if str(r["room"]).startswith("median ")]
     medians = [r for r in medians if all(r.get(a) is not None for _, a, _ in PLOT_SPANS)]
     try:
@@ -226,6 +246,13 @@ def plot(rows: list[dict[str, float | str | None]], path: Path, title: str = "")
             start, end = float(row[a]), float(row[b])  # type: ignore[arg-type]
             ax.barh(y, (end - start) / 1e3, left=start / 1e3, color=colors[i],
                     label=label if y == 0 else None)  # fmt: skip
+        ref = (reference_ms or {}).get(int(row["length"]))  # type: ignore[arg-type]
+        if ref is not None:
+            ax.plot([ref / 1e3] * 2, [y - 0.45, y + 0.45], color="black", linewidth=2,
+                    label="colocated TTFT (median, same round)" if y == 0 else None)  # fmt: skip
+            ttft = float(row["client_first"])  # type: ignore[arg-type]
+            ax.annotate(f"{ttft / ref:.2f}x", (ttft / 1e3, y), xytext=(4, 0),
+                        textcoords="offset points", va="center", fontsize=8)  # fmt: skip
     ax.set_yticks(range(len(medians)), [f"{r['length']} tokens" for r in medians])
     ax.set_xlabel("seconds from the client's send (median request)")
     ax.set_title(title or "SGLang P/D with the splitserve backend: where TTFT goes")
@@ -260,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default="", help="the plot's title")
     args = parser.parse_args(argv)
     requests = read_logs([args.prefill_log, args.decode_log])
+    reference: dict[int, float] = {}
     if args.rows is not None:
         run_rows = json.loads(args.rows.read_text())["rows"]
+        reference = colocated_ttft_ms(run_rows, requests)
         if not add_client_rows(requests, run_rows):
             print(f"no request of {args.rows} is in these logs", file=sys.stderr)
     rows = table(requests)
@@ -272,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
     if args.plot is not None:
-        if plot(rows, args.plot, args.title):
+        if plot(rows, args.plot, args.title, reference):
             print(f"plot: {args.plot}")
         else:
             print("no plot (needs matplotlib and --rows)", file=sys.stderr)

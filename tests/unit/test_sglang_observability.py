@@ -300,10 +300,18 @@ def test_timeline_script_adds_the_clients_points_and_medians_per_length(tmp_path
         {"room": "3", "length": 2048, "send_wall": 3000.0, "first_wall": 3000.400},
         {"contender": "sglang-colocated", "length": 512, "ttft_s": 0.2},  # no room
     ]
+    for row in run_rows[:3]:
+        row["contender"] = "sglang-splitserve"
+    run_rows += [
+        {"contender": "sglang-colocated", "round": "sglang-splitserve", "length": 512, "ttft_s": t}
+        for t in (0.25, 0.27, 0.30)
+    ] + [{"contender": "sglang-colocated", "round": "sglang-nixl", "length": 512, "ttft_s": 9.0}]
     (tmp_path / "run.json").write_text(json.dumps({"rows": run_rows}))
     argv = ["--prefill-log", str(p_log), "--decode-log", str(d_log)]
     assert script.main([*argv, "--rows", str(tmp_path / "run.json")]) == 0
     requests = script.read_logs([p_log, d_log])
+    reference = script.colocated_ttft_ms(run_rows, requests)
+    assert reference == {512: pytest.approx(270)}  # its own round's colocated requests only
     assert script.add_client_rows(requests, run_rows) == 3
     rows = script.table(requests)
     assert [r["room"] for r in rows] == ["1", "2", "3", "median 512", "median 2048", "median"]
@@ -316,7 +324,7 @@ def test_timeline_script_adds_the_clients_points_and_medians_per_length(tmp_path
     out = capsys.readouterr().out
     assert "| median 2048 |" in out and "warm" not in out
     pytest.importorskip("matplotlib")
-    assert script.plot(rows, tmp_path / "spans.png") is True
+    assert script.plot(rows, tmp_path / "spans.png", reference_ms=reference) is True
     assert (tmp_path / "spans.png").read_bytes().startswith(b"\x89PNG")
     assert script.plot(rows[:3], tmp_path / "none.png") is False  # no median rows
 
