@@ -26,6 +26,10 @@ Ids: SGLang's ``bootstrap_room`` (an int) becomes our ``transfer_id`` with ``str
 SGLang calls us; ``rooms.room_of`` turns it back only to call SGLang's own bookkeeping. Every
 failure, on either side, goes through ``SplitserveKVManager._fail``.
 
+Between polls: while the scheduler only waits on transfers (nothing to run, a request in its
+disaggregation queues) SGLang busy-polls; the manager makes it nap up to
+``SPLITSERVE_SGLANG_IDLE_NAP_MS`` instead (``splitserve.connectors.sglang.idle``).
+
 Stats: with SGLang's ``--enable-metrics`` the transport's counters and D's exposed handoff go to
 the server's ``/metrics`` (``splitserve.connectors.sglang.stats``), published when a transfer
 settles and at most once a second otherwise. With ``SPLITSERVE_SGLANG_TIMELINE=1`` both sides log
@@ -50,7 +54,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from splitserve.connectors.sglang import layerwise
+from splitserve.connectors.sglang import idle, layerwise
 from splitserve.connectors.sglang.decode import DecodeManagerMixin, SplitserveKVReceiver
 from splitserve.connectors.sglang.prefill import (
     Phase,
@@ -103,6 +107,7 @@ class SplitserveKVManager(PrefillManagerMixin, DecodeManagerMixin, CommonKVManag
         self.forward_open = False
         self.layers_hooked = 0  # layer stores seen by the layer-wise hook (P)
         self.timeline = Timeline(self.settings.timeline)
+        self.nap_s = self.settings.idle_nap_ms / 1e3  # idle.py: between polls while waiting
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         self.metrics = open_metrics(server_args, prefill=prefill)
         self.published = 0.0  # monotonic time of the last metrics publication
@@ -111,6 +116,8 @@ class SplitserveKVManager(PrefillManagerMixin, DecodeManagerMixin, CommonKVManag
         # register_to_bootstrap opens the transport first, so the port it names is ours.
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._open_transport()
+        if self.nap_s > 0:
+            idle.ACTIVE = self
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self._start_heartbeat_checker_thread()
             if self.timeline.enabled:
@@ -200,6 +207,8 @@ class SplitserveKVManager(PrefillManagerMixin, DecodeManagerMixin, CommonKVManag
     def close(self) -> None:
         if layerwise.ACTIVE is self:
             layerwise.ACTIVE = None
+        if idle.ACTIVE is self:
+            idle.ACTIVE = None
         if self.channel is not None:
             self.channel.close()
         if self.agent is not None:

@@ -66,11 +66,15 @@ def after_set_kv_buffer(result, pool, layer, *args, **kwargs):
 
 
 def register_hooks() -> None:
+    """These hooks and the backend's other scheduler hook (``idle``: the nap between polls)."""
     global _registered
     if _registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from splitserve.connectors.sglang import idle
+
     HookRegistry.register(RUN_BATCH, around_run_batch, HookType.AROUND)
     HookRegistry.register(SET_KV_BUFFER, after_set_kv_buffer, HookType.AFTER)
+    idle.register_hooks()
     _registered = True

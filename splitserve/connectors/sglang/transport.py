@@ -76,6 +76,7 @@ class BackendSettings(BaseModel):
     abort_ack_timeout_s: float = Field(5.0, gt=0)
     layerwise: bool = True
     timeline: bool = False
+    idle_nap_ms: float = Field(1.0, ge=0, le=100)  # connectors/sglang/idle.py; 0: SGLang's spin
     ucx_params: dict[str, str] = Field(default_factory=dict)
     nixl_backends: list[NixlBackend] | None = None  # JSON list, in order of preference
 
