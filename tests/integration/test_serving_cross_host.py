@@ -19,7 +19,8 @@ session's pool (keys ``xh-p`` / ``xh-d``), started once and stopped at the modul
 the bed goes down.
 
 The faults (docs/connector-protocol.md, "Failure matrix"; docs/proxy.md, "Faults"): 1 % loss
-on P's and D's links (outputs equal colocated, no leak), a silent cut of the P-D path in the
+on P's and D's links, then 1 % loss with 5 ms +- 5 ms of delay on both (outputs equal
+colocated, no leak), a silent cut of the P-D path in the
 middle of a transfer (the request ends within D's ``liveness_timeout_s`` plus slack, blocks
 freed on both within the lease, the next request correct once healed), and the proxy's host
 cut from D (the proxy ejects D; requests end with a clean error, the service returns on heal).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -43,9 +45,10 @@ from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from session_keys import test_key_file as key_file
 from test_fault_matrix import FAULT_MODEL, body_for, send, text_prompt, wait_for
+from test_testbed import round_trips
 from test_transfer_cross_host import kv_protocols
 
-from splitserve.launch import engines
+from splitserve.launch import engines, netdelay
 from splitserve.launch import testbed as tbmod
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
@@ -314,6 +317,28 @@ def test_outputs_equal_colocated_under_one_percent_loss(xh):
     finally:
         for host in ("p", "d"):
             xh.bed.shape(host, None)
+
+
+def test_outputs_equal_colocated_under_loss_and_jitter(xh):
+    """Issue #16's "1 % loss and 5 ms jitter on the P-D link": P's and D's links each lose 1 %
+    of frames and delay the rest 5 ms +- 5 ms (normal, so packets overtake each other; netem
+    where the kernel has it, else the NFQUEUE delayer). A P-D frame crosses both links, so the
+    round trip between them gains about 20 ms (checked: the shape is in force). TCP recovers
+    from the loss and the reordering, every answer equals colocated, nothing leaks, and
+    unshaping leaves no delayer behind."""
+    shape = tbmod.LinkShape(delay_ms=5.0, jitter_ms=5.0, loss_pct=1.0)
+    for host in ("p", "d"):
+        xh.bed.shape(host, shape)
+    try:
+        rtt = statistics.median(round_trips(xh.bed, "d", "p", count=40))
+        assert rtt >= 15, f"P-D round trip {rtt:.1f} ms: the delay is not in force"
+        serve_and_compare(xh, "plain", range(420, 422), words=600)
+        serve_and_compare(xh, "first-token", range(430, 431), words=600)
+        kv_free(xh)
+    finally:
+        for host in ("p", "d"):
+            xh.bed.shape(host, None)
+    assert netdelay.running_in(xh.bed.switch) == {}
 
 
 # -- faults --------------------------------------------------------------------------------------
