@@ -6,6 +6,9 @@ vLLM rows, on one machine; SGLang servers on the CPU (``splitserve.launch.engine
 - ``sglang-colocated``: one unified SGLang server (no transfer), the reference;
 - ``sglang-splitserve``: a PD pair with ``--disaggregation-transfer-backend splitserve`` (our
   backend: KV pushed per layer while P computes, aux rows and DONE with the last WRITE);
+- ``sglang-splitserve-spin``: the same pair with ``SPLITSERVE_SGLANG_IDLE_NAP_MS=0``: P's and
+  D's schedulers busy-poll while a request waits on a transfer, as SGLang's loop does (our
+  backend's nap between polls, ``splitserve.connectors.sglang.idle``, off);
 - ``sglang-nixl``: SGLang's own ``nixl`` backend (per chunk, after the forward; on a CPU it
   needs the test environment's shim ``SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM=1``, and its NIXL
   progress thread spins a core, so its servers run niced);
@@ -24,7 +27,24 @@ A PD request goes the way SGLang's router sends it: to P and D at the same time 
 - ``exposed_s`` (``sglang-splitserve`` only): P's last forward returned -> DONE seen at D, from
   D's log (``splitserve: transfer R received, exposed handoff X s``, R the request's
   ``bootstrap_room``; server timestamps). SGLang's own backends report no such figure: compare
-  them by TTFT against ``sglang-colocated``.
+  them by TTFT against ``sglang-colocated``;
+- ``room``, ``send_wall``, ``first_wall`` (PD rows): the request's ``bootstrap_room`` and the
+  client's wall clock at send and at the first streamed token, for
+  ``benchmarks/sglang_timeline.py --rows`` (client points beside the servers' timeline).
+
+Placement (``SPLITSERVE_SGLANG_BENCH_PLACEMENT``, recorded in every row as ``placement``):
+
+- ``cores`` (the default): each server on one core of its own, one compute thread, as the vLLM
+  rows run: the colocated server and P on core 0 (they never compute at once: requests
+  alternate), D on core 1 (``taskset``, ``OMP_NUM_THREADS=1``). A PD decode server's scheduler
+  loop never sleeps while a request is in its queues (SGLang: ``time.sleep(0)`` between polls),
+  so D holds its core at 100% during P's prefill; on a core of its own that costs P nothing;
+- ``shared``: no pinning, every server with torch's default threads on the whole machine (how
+  these rows ran before issue #25): the colocated server computes alone on both cores, while
+  P's threads share them with D's spinning scheduler.
+
+Every server's log (with the timeline lines) is copied next to ``--out``, into
+``<out stem>-sglang-logs/``.
 """
 
 from __future__ import annotations
@@ -34,6 +54,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -48,12 +69,30 @@ from splitserve.transfer.auth import write_key_file
 START_TIMEOUT = 900.0
 CHUNK = 2048  # as the vLLM rows' --max-num-batched-tokens
 NIXL_SPINNER_NICE = 10
+PLACEMENTS = ("cores", "shared")
+# (colocated, P, D) cores per placement; None: not pinned
+CORES: dict[str, tuple[list[int] | None, ...]] = {
+    "cores": ([0], [0], [1]),
+    "shared": (None, None, None),
+}
 # where scripts/install_mooncake_cpu.sh unpacks libibverbs & co. (Mooncake links them even for TCP)
 MOONCAKE_DEPS = Path(sys.prefix) / "opt" / "mooncake-deps" / "lib"
 
-CONTENDERS = ["sglang-colocated", "sglang-splitserve", "sglang-nixl", "sglang-mooncake-tcp"]
+CONTENDERS = [
+    "sglang-colocated",
+    "sglang-splitserve",
+    "sglang-splitserve-spin",
+    "sglang-nixl",
+    "sglang-mooncake-tcp",
+]
 BACKENDS = {
     "sglang-splitserve": ("splitserve", {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "900"}, 0),
+    # the same without the nap between polls (SGLang's busy poll, as before issue #25)
+    "sglang-splitserve-spin": (
+        "splitserve",
+        {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "900", "SPLITSERVE_SGLANG_IDLE_NAP_MS": "0"},
+        0,
+    ),
     "sglang-nixl": ("nixl", {"SGLANG_CPU_SHIM_NIXL_VRAM_AS_DRAM": "1"}, NIXL_SPINNER_NICE),
     "sglang-mooncake-tcp": (
         "mooncake",
@@ -150,6 +189,21 @@ def _colocated(url: str, body: dict) -> dict:
     return {"ttft_s": times[0] - start, "gap_s": times[1] - times[0]}
 
 
+def placement() -> str:
+    """``SPLITSERVE_SGLANG_BENCH_PLACEMENT`` (``cores`` unless set; see the module docstring)."""
+    value = os.environ.get("SPLITSERVE_SGLANG_BENCH_PLACEMENT", "cores").strip() or "cores"
+    if value not in PLACEMENTS:
+        raise SystemExit(
+            f"SPLITSERVE_SGLANG_BENCH_PLACEMENT={value!r}: expected one of {', '.join(PLACEMENTS)}"
+        )
+    return value
+
+
+def pinned_env(env: dict, cpus: list[int] | None) -> dict:
+    """``env`` for a server on ``cpus``: one OpenMP thread per core (torch's compute threads)."""
+    return env if cpus is None else env | {"OMP_NUM_THREADS": str(len(cpus))}
+
+
 def _pd(pair: dict, body: dict, log: Path | None) -> dict:
     bootstrap_room = random.randrange(2**62)
     body = body | {
@@ -166,13 +220,19 @@ def _pd(pair: dict, body: dict, log: Path | None) -> dict:
             errors.append(exc)
 
     thread = threading.Thread(target=prefill)
-    start = time.perf_counter()
+    send_wall, start = time.time(), time.perf_counter()
     thread.start()
     times = _stream(pair["d"], body)
     thread.join(900)
     if errors:
         raise errors[0]
-    out = {"ttft_s": times[0] - start, "gap_s": times[1] - times[0]}
+    out = {
+        "ttft_s": times[0] - start,
+        "gap_s": times[1] - times[0],
+        "room": str(bootstrap_room),
+        "send_wall": send_wall,
+        "first_wall": send_wall + (times[0] - start),
+    }
     if log is not None:
         # The backend's transfer id is str(bootstrap_room) (splitserve.connectors.sglang.conn).
         pattern = rf"transfer {bootstrap_room} received, exposed handoff ([0-9.e+-]+) s"
@@ -210,17 +270,21 @@ def run(
     repeats: int,
     contenders: list[str],
     rng: random.Random,
+    logs_to: Path | None = None,
 ) -> list[dict]:
-    """Every selected SGLang contender on one transport; one row per request."""
+    """Every selected SGLang contender on one transport; one row per request. ``logs_to``: where
+    the servers' logs are copied when the run ends."""
     rows: list[dict] = []
     max_tokens = max(lengths) + 1024  # one request at a time; 3 servers share the machine
+    where = placement()
+    colocated_cpus, p_cpus, d_cpus = CORES[where]
     group = ServerGroup(work / f"logs-{transport}-sglang")
     try:
         runs: dict[str, tuple] = {}
         if "sglang-colocated" in contenders:
             (port,) = free_ports(1)
-            cmd = _server(model, port, max_tokens, dict(env))
-            group.add("sglang-colocated", cmd.argv, port=port, env=cmd.env)
+            cmd = _server(model, port, max_tokens, pinned_env(dict(env), colocated_cpus))
+            group.add("sglang-colocated", cmd.argv, port=port, env=cmd.env, cpus=colocated_cpus)
             group.wait(START_TIMEOUT, names=["sglang-colocated"])
             url = group.servers["sglang-colocated"].url
             runs["sglang-colocated"] = (lambda b, u=url: _colocated(u, b),)
@@ -241,14 +305,15 @@ def run(
                 model,
                 p_port,
                 max_tokens,
-                server_env,
+                pinned_env(server_env, p_cpus),
                 mode="prefill",
                 bootstrap_port=bootstrap,
                 **common,
             )
-            d = _server(model, d_port, max_tokens, server_env, mode="decode", **common)
-            group.add(f"{name}-p", p.argv, port=p_port, env=p.env, nice=nice)
-            group.add(f"{name}-d", d.argv, port=d_port, env=d.env, nice=nice)
+            d_env = pinned_env(server_env, d_cpus)
+            d = _server(model, d_port, max_tokens, d_env, mode="decode", **common)
+            group.add(f"{name}-p", p.argv, port=p_port, env=p.env, nice=nice, cpus=p_cpus)
+            group.add(f"{name}-d", d.argv, port=d_port, env=d.env, nice=nice, cpus=d_cpus)
             group.wait(START_TIMEOUT, names=[f"{name}-p", f"{name}-d"])
             pair = {
                 "p": group.servers[f"{name}-p"].url,
@@ -259,7 +324,12 @@ def run(
             _pd(pair, _body(64, rng), log)  # warm-up
             for length in lengths:
                 for _ in range(repeats):
-                    row = {"transport": transport, "contender": name, "length": length}
+                    row = {
+                        "transport": transport,
+                        "contender": name,
+                        "length": length,
+                        "placement": where,
+                    }
                     rows.append(row | _pd(pair, _body(length, rng), log))
                     print(json.dumps(rows[-1]), flush=True)
                     if "sglang-colocated" in runs:  # the reference, interleaved
@@ -270,7 +340,17 @@ def run(
                 group.servers.pop(f"{name}-{role}").process.stop()
     finally:
         group.stop()
+        if logs_to is not None:
+            keep_logs(group.log_dir, logs_to)
     return rows
+
+
+def keep_logs(log_dir: Path, dest: Path) -> None:
+    """The servers' logs (not the key) copied to ``dest``, for ``benchmarks/sglang_timeline.py``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in sorted(log_dir.glob("*.log")):
+        shutil.copy2(log, dest / log.name)
+    print(f"SGLang server logs: {dest}", file=sys.stderr)
 
 
 def rows_for(args, work: Path, model: Path, rng: random.Random) -> list[dict]:
@@ -288,6 +368,7 @@ def rows_for(args, work: Path, model: Path, rng: random.Random) -> list[dict]:
             repeats=args.repeats,
             contenders=contenders,
             rng=rng,
+            logs_to=Path(args.out).with_name(f"{Path(args.out).stem}-sglang-logs") / transport,
         )
     return rows
 

@@ -58,3 +58,24 @@ def test_an_explicit_round_wins_and_a_lone_colocated_row_keeps_its_name(handoff)
     names = [r["contender"] for r in handoff.sglang_rounds(rows)]
     assert names == ["sglang-colocated", "sglang-nixl", "sglang-colocated/sglang-splitserve"]
     assert rows[2]["contender"] == "sglang-colocated", "the input rows are not changed"
+
+
+def test_placement_gives_each_server_a_core_of_its_own_unless_shared(monkeypatch):
+    """SPLITSERVE_SGLANG_BENCH_PLACEMENT: ``cores`` (default) pins the colocated server and P to
+    core 0 and D to core 1 with one OpenMP thread each; ``shared`` pins nothing; anything else
+    stops the run."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import handoff_sglang
+
+    monkeypatch.delenv("SPLITSERVE_SGLANG_BENCH_PLACEMENT", raising=False)
+    assert handoff_sglang.placement() == "cores"
+    colocated, p, d = handoff_sglang.CORES["cores"]
+    assert colocated == p == [0] and d == [1]
+    assert handoff_sglang.pinned_env({"A": "1"}, d) == {"A": "1", "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("SPLITSERVE_SGLANG_BENCH_PLACEMENT", "shared")
+    assert handoff_sglang.placement() == "shared"
+    assert handoff_sglang.CORES["shared"] == (None, None, None)
+    assert handoff_sglang.pinned_env({"A": "1"}, None) == {"A": "1"}
+    monkeypatch.setenv("SPLITSERVE_SGLANG_BENCH_PLACEMENT", "both")
+    with pytest.raises(SystemExit, match="cores, shared"):
+        handoff_sglang.placement()
