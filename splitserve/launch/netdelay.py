@@ -237,6 +237,8 @@ def serve(options: Options, on_ready: Callable[[], None]) -> int:
                 nfq.run(block=False)
             delayer.release_due()
     finally:
+        with contextlib.suppress(OSError):
+            nfq.run(block=False)  # what already waits in the socket: accepted, not dropped
         flushed = delayer.flush()
         nfq.unbind()
         logger.info(

@@ -231,6 +231,7 @@ def transfer(bed: Testbed, src: str, dst: str, payload: bytes) -> bytes:
     try:
         with bed[src].entered():
             client = socket.create_connection((bed[dst].address, server.getsockname()[1]), 10)
+        client.settimeout(120)  # the whole send (10 s was only for the connect)
         with client:
             client.sendall(payload)
         thread.join(120)
