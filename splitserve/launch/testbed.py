@@ -65,20 +65,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
 import logging
 import os
 import re
 import shutil
 import subprocess
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.launch import netdelay
-from splitserve.launch.process import ManagedProcess, ProcessStartError
+from splitserve.launch import netdelay, testbed_delay
+from splitserve.launch.process import ManagedProcess
+from splitserve.launch.testbed_cmd import TestbedError
+from splitserve.launch.testbed_cmd import run as _run
+from splitserve.launch.testbed_delay import Port, QueueDelayers
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +88,6 @@ PREFIX_LEN = 24
 _OWNER_RE = re.compile(r"^[a-z0-9]{1,16}$")
 _HOST_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 _CLONE_NEWNET = 0x40000000
-
-
-class TestbedError(RuntimeError):
-    """The test bed cannot be built or changed here; the message says why and what to do."""
-
-    __test__ = False  # not a pytest test class
 
 
 @dataclass(frozen=True)
@@ -108,13 +102,6 @@ class LinkShape:
     def needs_netem(self) -> bool:
         """Delay or jitter: netem's, else the NFQUEUE delayer's (loss: netem's, else nft's)."""
         return bool(self.delay_ms or self.jitter_ms)
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise TestbedError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.stdout}")
-    return proc
 
 
 def namespaces() -> list[str]:
@@ -141,10 +128,10 @@ def remove_stale() -> list[str]:
             continue
         owner = ns[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not _pid_alive(int(owner)):
-            netdelay.kill_all_in(ns)  # they leave with their owner; this closes the window
+            testbed_delay.remove_leftovers(
+                ns
+            )  # they leave with their owner; this closes the window
             _run(["ip", "netns", "delete", ns], check=False)
-            for log in Path(tempfile.gettempdir()).glob(f"{ns}-netdelay-*.log"):
-                log.unlink(missing_ok=True)
             removed.append(ns)
     if removed:
         logger.info("test bed: removed stale namespaces %s", ", ".join(removed))
@@ -206,28 +193,6 @@ def _ingress_table(table: str, device: str, rules: Sequence[str]) -> str:
 def _loss_rule(loss_pct: float) -> str:
     """Drop ``loss_pct`` % of frames, independently, at a resolution of 0.001 %."""
     return f"numgen random mod 100000 < {round(loss_pct * 1000)} counter drop"
-
-
-def _iptables() -> str:
-    """The iptables binary for the delay rules: the nf_tables one first (``iptables-legacy``
-    needs ``CONFIG_NETFILTER_XTABLES_LEGACY``, on its way out of kernels), else legacy."""
-    for name in ("iptables-nft", "iptables-legacy", "iptables"):
-        found = shutil.which(name) or (Path(f"/usr/sbin/{name}").exists() and f"/usr/sbin/{name}")
-        if found:
-            return found
-    raise TestbedError(
-        "delay and jitter without sch_netem need iptables' NFQUEUE target: as root, "
-        "apt-get install iptables (scripts/bootstrap.sh does)"
-    )
-
-
-def _require_netfilterqueue() -> None:
-    if importlib.util.find_spec("netfilterqueue") is None:
-        raise TestbedError(
-            "delay and jitter without sch_netem need the NetfilterQueue package in "
-            f"{sys.executable}'s environment: as root, apt-get install libnetfilter-queue-dev, "
-            "then pip install NetfilterQueue (the dev extra; make env does both)"
-        )
 
 
 def netem_available() -> bool:
@@ -344,7 +309,7 @@ class Testbed:
         }
         self._netem: bool | None = None
         self._loss: dict[str, float] = {}  # host -> loss % done by nftables
-        self._delayers: dict[str, ManagedProcess] = {}  # host -> its NFQUEUE delayer
+        self._delays = QueueDelayers(self.switch, self.owner)  # delay without netem
         self._blocked: set[frozenset[str]] = set()  # pairs of hosts cut from each other
 
     def __getitem__(self, name: str) -> Host:
@@ -390,13 +355,10 @@ class Testbed:
 
     def down(self) -> None:
         """Delete every namespace of this test bed (its links go with them). Idempotent."""
-        for host in list(self._delayers):
+        for host in self._delays.hosts():
             with contextlib.suppress(TestbedError):  # logged there; the rules go with the ns
-                self._stop_delayer(host, rules=False)
-        if self.switch in namespaces():
-            netdelay.kill_all_in(self.switch)  # a named owner's from an earlier process
-        for log in Path(tempfile.gettempdir()).glob(f"{self.switch}-netdelay-*.log"):
-            log.unlink(missing_ok=True)
+                self._delays.stop(self._port(host), rules=False)
+        testbed_delay.remove_leftovers(self.switch)  # a named owner's from an earlier process
         for ns in self.own_namespaces():
             # Processes still inside keep a namespace alive only through their own handle;
             # the name goes now and the links with the last user.
@@ -418,12 +380,11 @@ class Testbed:
         use_netem = wants_netem and self._netem_available()
         by_queue = shape is not None and shape.needs_netem() and not use_netem
         if by_queue:  # what it needs, before anything changes
-            _require_netfilterqueue()
-            _iptables()
+            testbed_delay.require()
         died = None
-        if host in self._delayers:
+        if host in self._delays:
             try:
-                self._stop_delayer(host)
+                self._delays.stop(self._port(host))
             except TestbedError as exc:
                 died = exc
         for ns, dev in ((h.netns, "eth0"), (self.switch, h.switch_port)):
@@ -438,9 +399,13 @@ class Testbed:
             self._loss[host] = loss
             self._apply_filters(host)
         if by_queue:
-            self._start_delayer(host, shape)  # type: ignore[arg-type]
+            self._delays.start(self._port(host), shape.delay_ms, shape.jitter_ms)  # type: ignore[union-attr]
         if died is not None:
             raise died
+
+    def _port(self, host: str) -> Port:
+        h = self.hosts[host]
+        return Port(host=h.name, index=h.index, switch_port=h.switch_port)
 
     def _netem_available(self) -> bool:
         if self._netem is None:
@@ -465,74 +430,6 @@ class Testbed:
         # Queue: 200 ms worth, at least 4 bursts (tbf drops what does not fit; TCP backs off).
         limit = max(4 * burst, int(rate_bytes / 5))
         return ["tbf", "rate", f"{shape.rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
-
-    # -- delay without netem: the NFQUEUE delayer (module docstring) --------------------------
-
-    def _queue_rules(self, host: str, verb: str) -> list[list[str]]:
-        """iptables commands (in the switch) that add (``-A``) or delete (``-D``) the rules
-        sending ``host``'s frames both ways to its queue: number ``index``, bypassed (frames
-        pass) while no delayer listens."""
-        h = self.hosts[host]
-        target = ["-j", "NFQUEUE", "--queue-num", str(h.index), "--queue-bypass"]
-        return [
-            ["ip", "netns", "exec", self.switch, _iptables(), "-w", "-t", "mangle", verb,
-             chain, "-m", "physdev", f"--physdev-{side}", h.switch_port, *target]
-            for chain, side in (("PREROUTING", "in"), ("POSTROUTING", "out"))
-        ]  # fmt: skip
-
-    def _start_delayer(self, host: str, shape: LinkShape) -> None:
-        iptables = _iptables()
-        bridge_nf = "/proc/sys/net/bridge/bridge-nf-call-iptables"
-        proc = _run(["ip", "netns", "exec", self.switch, "sh", "-c", f"echo 1 > {bridge_nf}"],
-                    check=False)  # fmt: skip
-        if proc.returncode != 0:
-            raise TestbedError(
-                f"delay without sch_netem needs br_netfilter ({bridge_nf}): as root, "
-                f"modprobe br_netfilter ({proc.stderr.strip()})"
-            )
-        argv = [sys.executable, "-m", netdelay.MODULE, "--queue", str(self.hosts[host].index),
-                "--delay-ms", str(shape.delay_ms), "--jitter-ms", str(shape.jitter_ms)]  # fmt: skip
-        if self.owner.isdigit():  # a pid's bed: the delayer leaves with it (crashes included)
-            argv += ["--owner-pid", self.owner]
-        log = Path(tempfile.gettempdir()) / f"{self.switch}-netdelay-{host}.log"
-        log.unlink(missing_ok=True)
-        delayer = ManagedProcess(f"netdelay-{host}", ["ip", "netns", "exec", self.switch, *argv],
-                                 log)  # fmt: skip
-        self._delayers[host] = delayer.start()
-        try:
-            delayer.wait_ready(
-                lambda: netdelay.READY in delayer.tail().splitlines(), timeout=60, interval=0.05
-            )
-            for rule in self._queue_rules(host, "-A"):
-                _run(rule)
-        except (ProcessStartError, TestbedError) as exc:
-            with contextlib.suppress(TestbedError):
-                self._stop_delayer(host)
-            raise TestbedError(f"delay on {host}'s link ({iptables}): {exc}") from exc
-        logger.info(
-            "test bed: %s's link delayed %g ms +- %g ms (NFQUEUE %d, delayer pid %d)",
-            host, shape.delay_ms, shape.jitter_ms, self.hosts[host].index, delayer.pid,
-        )  # fmt: skip
-
-    def _stop_delayer(self, host: str, rules: bool = True) -> None:
-        """Remove ``host``'s queue rules (``rules``), then stop its delayer (which accepts what
-        it holds). Raises ``TestbedError`` if the delayer had died meanwhile."""
-        delayer = self._delayers.pop(host)
-        if rules:
-            for rule in self._queue_rules(host, "-D"):
-                _run(rule, check=False)  # absent if the start failed before adding it
-        code = delayer.returncode()
-        tail = delayer.tail(10)
-        delayer.stop(grace=5)
-        delayer.log_path.unlink(missing_ok=True)
-        if code is not None:
-            message = (
-                f"the delayer of {host}'s link had exited (code {code}) before it was stopped: "
-                f"since then the link was not delayed (the rules bypass a dead queue); its "
-                f"last lines:\n{tail}"
-            )
-            logger.error("test bed: %s", message)
-            raise TestbedError(message)
 
     def _apply_filters(self, host: str) -> None:
         """Write ``host``'s nftables state: its loss on both ingress ends of its link, and the

@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from splitserve.launch import netdelay
+from splitserve.launch import netdelay, testbed_delay
 from splitserve.launch import testbed as tbmod
 from splitserve.launch.testbed import LinkShape, Testbed, TestbedError
 
@@ -243,7 +243,7 @@ def transfer(bed: Testbed, src: str, dst: str, payload: bytes) -> bytes:
 def queue_state(bed: Testbed) -> tuple[dict[int, object], str]:
     """The delayers in the switch and its iptables rules (the delay path without netem)."""
     rules = subprocess.run(
-        ["ip", "netns", "exec", bed.switch, tbmod._iptables(), "-t", "mangle", "-S"],
+        ["ip", "netns", "exec", bed.switch, testbed_delay.iptables(), "-t", "mangle", "-S"],
         capture_output=True,
         text=True,
     ).stdout
