@@ -36,9 +36,10 @@ Placement (``SPLITSERVE_SGLANG_BENCH_PLACEMENT``, recorded in every row as ``pla
 
 - ``cores`` (the default): each server on one core of its own, one compute thread, as the vLLM
   rows run: the colocated server and P on core 0 (they never compute at once: requests
-  alternate), D on core 1 (``taskset``, ``OMP_NUM_THREADS=1``). A PD decode server's scheduler
-  loop never sleeps while a request is in its queues (SGLang: ``time.sleep(0)`` between polls),
-  so D holds its core at 100% during P's prefill; on a core of its own that costs P nothing;
+  alternate), D on core 1 (``taskset``, ``OMP_NUM_THREADS=1``). SGLang's PD scheduler loop
+  never sleeps while a request is in its queues (``time.sleep(0)`` between polls), so SGLang's
+  own backends' D spins its core during P's prefill (ours naps between polls,
+  ``SPLITSERVE_SGLANG_IDLE_NAP_MS``); on a core of its own that costs P nothing;
 - ``shared``: no pinning, every server with torch's default threads on the whole machine (how
   these rows ran before issue #25): the colocated server computes alone on both cores, while
   P's threads share them with D's spinning scheduler.
