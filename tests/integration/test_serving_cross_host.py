@@ -66,7 +66,8 @@ SLACK_S = 30.0  # added to every documented bound: a loaded 2-core machine
 START_TIMEOUT = 420.0
 REQUEST_S = 90.0
 LONG_WORDS = 1650  # about 3,600 tokens: P prefills for seconds (the wider model)
-KEYS = ("xh-p", "xh-d")
+KEYS = ("xh-p", "xh-d", "xh-d2")
+HOSTS = {"xh-p": ("p", 0), "xh-d": ("d", 1), "xh-d2": ("d2", 1)}  # key: (host, core)
 
 
 def kv_config(address: str) -> dict[str, Any]:
@@ -97,7 +98,7 @@ class CrossHost:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
-def proxy_config(xh: CrossHost, first_token: bool):
+def proxy_config(xh: CrossHost, first_token: bool, decode: tuple[str, ...] = ("d",)):
     return build_config(
         {
             "host": "127.0.0.1",  # the proxy host's own loopback: its client is there too
@@ -105,7 +106,7 @@ def proxy_config(xh: CrossHost, first_token: bool):
             "flow": "concurrent",
             "first_token_from_prefill": first_token,
             "prefill": [{"url": xh.url("p"), "side_channel_port": SIDE_PORT}],
-            "decode": [{"url": xh.url("d")}],
+            "decode": [{"url": xh.url(host)} for host in decode],
             "health": {"interval_s": 1.0, "timeout_s": 2.0},
             "timeouts": {
                 "connect_s": 3.0,
@@ -125,10 +126,10 @@ def xh(servers, tmp_path_factory) -> Iterator[CrossHost]:
         pytest.fail(f"the test bed cannot run here: {exc}")
     model = build_model(resolve_spec("tiny", **FAULT_MODEL), tmp_path_factory.mktemp("xhost"))
     extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "512"]
-    with tbmod.Testbed(["p", "d", "proxy"]) as bed, contextlib.ExitStack() as stack:
+    with tbmod.Testbed(["p", "d", "d2", "proxy"]) as bed, contextlib.ExitStack() as stack:
         running = CrossHost(bed, servers.group)
         try:
-            for key, host, core in (("xh-p", "p", 0), ("xh-d", "d", 1)):
+            for key, (host, core) in HOSTS.items():
                 address = bed[host].address
                 cmd = engines.vllm_server(
                     str(model),
@@ -150,8 +151,12 @@ def xh(servers, tmp_path_factory) -> Iterator[CrossHost]:
                 )
             with bed["proxy"].entered():  # probes from the proxy's host
                 servers.group.wait(START_TIMEOUT, names=list(KEYS), stop_group_on_failure=False)
-                for name, first_token in (("plain", False), ("first-token", True)):
-                    proxy = BackgroundProxy(proxy_config(running, first_token))
+                for name, first_token, decode in (
+                    ("plain", False, ("d",)),
+                    ("first-token", True, ("d",)),
+                    ("two-d", False, ("d", "d2")),  # a second pair to retry on
+                ):
+                    proxy = BackgroundProxy(proxy_config(running, first_token, decode))
                     running.proxies[name] = stack.enter_context(proxy)
             yield running
         finally:
@@ -380,24 +385,37 @@ def test_silent_cut_of_the_p_d_path_mid_transfer(xh):
 
 
 def test_proxy_host_cut_from_d(xh):
-    """The proxy's host loses D silently: a request in flight ends with a clean error within
-    the proxy's bounds (no pair to retry on before the first byte), the proxy ejects D, the
-    next request is refused at once with a clean error, P frees what it prefilled within the
-    lease; once healed, D is readmitted and serves again."""
-    proxy = xh.proxies["plain"]
-    backend = proxy.state.decode.backends[0]
-    assert backend.healthy
+    """The proxy's host loses D silently (issue #16: "the proxy ejects D, retries on another
+    pair before the first byte"). Through the proxy with a second D (``two-d``), every request
+    is answered correctly: an attempt on the cut D fails to connect before anything reached the
+    client and is retried on the other pair (``splitserve_proxy_retries_total`` rises), and the
+    cut D is ejected. Through the proxy whose only D is cut (``plain``), a request ends with a
+    clean error within the proxy's bounds (no pair to retry on), D is ejected and the next
+    request is refused at once with a clean error. P (and D2) free what they held within the
+    lease; once healed, D is readmitted by both proxies and serves again."""
+    plain, two = xh.proxies["plain"], xh.proxies["two-d"]
+    cut_d = [b for p in (plain, two) for b in p.state.decode.backends if b.url == xh.url("d")]
+    assert len(cut_d) == 2 and all(b.healthy for b in cut_d)
+    retries_before = metric_sum(fetch_metrics(two.url), "splitserve_proxy_retries_total")
     xh.bed.cut("proxy", "d")
     try:
-        answer = send(proxy.url, body_for(text_prompt(300, 600)))
+        for seed in range(600, 604):  # least-loaded routing sends some of these to the cut D
+            prompt = text_prompt(300, seed)
+            assert send(two.url, body_for(prompt)).text == colocated(xh, prompt), hints(xh)
+        wait_for(lambda: not cut_d[1].healthy, "the two-D proxy ejects D", bound=SLACK_S)
+        retried = metric_sum(fetch_metrics(two.url), "splitserve_proxy_retries_total")
+        assert retried > retries_before, "no attempt on the cut D was retried on the other pair"
+
+        answer = send(plain.url, body_for(text_prompt(300, 610)))
         assert answer.clean and answer.text is None, answer
-        wait_for(lambda: not backend.healthy, "the proxy ejects D", bound=SLACK_S)
-        refused = send(proxy.url, body_for(text_prompt(300, 601)))
+        wait_for(lambda: not cut_d[0].healthy, "the one-D proxy ejects D", bound=SLACK_S)
+        refused = send(plain.url, body_for(text_prompt(300, 611)))
         assert refused.error is not None and '"error"' in refused.error, refused
         assert refused.status in (502, 503, 504), refused
-        kv_free(xh, ("p",))  # D is out of the client's reach until healed
+        kv_free(xh, ("p", "d2"))  # D is out of the client's reach until healed
     finally:
         xh.bed.heal("proxy", "d")
-    wait_for(lambda: backend.healthy, "D readmitted", bound=300.0, step=0.5)
-    serve_and_compare(xh, "plain", range(610, 611))
-    kv_free(xh)
+    for backend in cut_d:
+        wait_for(lambda b=backend: b.healthy, "D readmitted", bound=300.0, step=0.5)
+    serve_and_compare(xh, "plain", range(620, 621))
+    kv_free(xh, ("p", "d", "d2"))
