@@ -34,6 +34,8 @@ Usage:
     .venv/bin/python benchmarks/goodput.py --quick --out runs/goodput-quick.json
     .venv/bin/python benchmarks/goodput.py --rates 0.25,0.5,1,1.5 --duration 60 --out ...
     .venv/bin/python benchmarks/goodput.py --preset mid ...   # documents prefill in 1-4 s
+    .venv/bin/python benchmarks/goodput.py --from-json A.json B.json --out AB.json --plot AB.png
+        # two sweeps of one workload at different rates as one report (nothing is run)
 
 Servers are started per (rate, contender group) and stopped after it (groups: (a), (b), (c),
 (d)+(e)), so start-up dominates a short sweep on 2 cores; results go to JSON and a markdown
@@ -468,7 +470,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         report["slo"],
         "",
-        "| contender | rate/s | attainment | chat TTFT p50/p99 s | doc TTFT p50/p99 s "
+        "| contender | rate/s | attainment (chat / doc) | chat TTFT p50/p99 s | doc TTFT p50/p99 s "
         "| chat gap-p99 p50/p90 ms | doc gap-p99 p50/p90 ms | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -479,7 +481,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in sorted(report["rows"], key=lambda r: (r["contender"], r["rate"])):
         ch, doc = r["chat"], r["doc"]
         lines.append(
-            f"| {r['contender']} | {r['rate']:g} | {r['attainment']:.0%} | "
+            f"| {r['contender']} | {r['rate']:g} | {r['attainment']:.0%} "
+            f"({ch['attainment']:.0%} of {ch['n']} / {doc['attainment']:.0%} of {doc['n']}) | "
             f"{f(ch['ttft_p50_s'])} / {f(ch['ttft_p99_s'])} | "
             f"{f(doc['ttft_p50_s'])} / {f(doc['ttft_p99_s'])} | "
             f"{f(ch['gap_p99_p50_ms'], 0)} / {f(ch['gap_p99_p90_ms'], 0)} | "
@@ -491,7 +494,82 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {k} | {v:g} |" for k, v in caps.items()]
     if "pd-decide" in caps and best_rival > 0:
         lines.append(f"\n(e) / best of (a)-(d): {caps['pd-decide'] / best_rival:.2f}x")
+    sched = [r for r in report["rows"] if r.get("scheduler") or r.get("decisions")]
+    if sched:
+        lines += [
+            "",
+            "Adaptive scheduler (cumulative per server group and rate; D for pd) and the proxy's"
+            " decisions:",
+            "",
+            "| contender | rate/s | steps | budget decisions | steps predicted within 10/20/50% "
+            "| proxy decisions |",
+            "|---|---:|---:|---|---:|---|",
+        ]
+        for r in sorted(sched, key=lambda r: (r["contender"], r["rate"])):
+            s = r.get("scheduler") or {}
+            under = s.get("share_under") or {}
+            within = " / ".join(
+                f"{under[k]:.0%}" if k in under else "-" for k in ("0.1", "0.2", "0.5")
+            )
+            dec = ", ".join(f"{k} {v:g}" for k, v in (s.get("decisions") or {}).items()) or "-"
+            prox = ", ".join(f"{k} {v:g}" for k, v in (r.get("decisions") or {}).items()) or "-"
+            lines.append(
+                f"| {r['contender']} | {r['rate']:g} | {s.get('steps', 0):g} | {dec} | {within} "
+                f"| {prox} |"
+            )
     return "\n".join(lines)
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from sweeps of the same workload (preset, duration, seed) at different rates:
+    their rows together, capacity recomputed over the union of rates (a rate measured twice is
+    an error: which run would count?)."""
+    first = reports[0]
+    same = ("preset", "duration", "seed")
+    for r in reports[1:]:
+        if any(r["args"].get(k) != first["args"].get(k) for k in same):
+            raise SystemExit(f"cannot merge: {same} differ ({r['args']} vs {first['args']})")
+    rows = [row for r in reports for row in r["rows"]]
+    seen: set[tuple[str, float]] = set()
+    for row in rows:
+        key = (row["contender"], float(row["rate"]))
+        if key in seen:
+            raise SystemExit(f"cannot merge: {key} measured twice")
+        seen.add(key)
+    names = [c.name for c in CONTENDERS if any(r["contender"] == c.name for r in rows)]
+    caps = {
+        n: capacity({r["rate"]: r["attainment"] for r in rows if r["contender"] == n})
+        for n in names
+    }
+    rates = sorted({float(r["rate"]) for r in rows})
+    args = {**first["args"], "rates": rates, "merged_from": len(reports)}
+    return {"slo": first["slo"], "args": args, "rows": rows, "capacity": caps}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Attainment vs arrival rate, one line per contender, the 90% goal drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = {c.name: c.label for c in CONTENDERS}
+    for name in report["capacity"]:
+        rows = sorted(
+            (r for r in report["rows"] if r["contender"] == name), key=lambda r: r["rate"]
+        )
+        ax.plot([r["rate"] for r in rows], [100 * r["attainment"] for r in rows], "o-",
+                label=labels.get(name, name))  # fmt: skip
+    ax.axhline(100 * ATTAINMENT_GOAL, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title(f"goodput.py, preset {report['args'].get('preset')}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 def dry_run(args: argparse.Namespace) -> str:
@@ -523,6 +601,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help=f"a short sweep: {QUICK}")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--out", type=Path, help="JSON results")
+    ap.add_argument("--plot", type=Path, help="PNG: attainment vs rate per contender")
+    ap.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        help="re-render written reports (table, --plot; several: merged, written to --out); "
+        "run nothing",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.rates, args.duration = ",".join(map(str, QUICK["rates"])), QUICK["duration"]
@@ -537,6 +623,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args(argv)
+    if args.from_json:
+        report = merge([json.loads(p.read_text()) for p in args.from_json])
+        if args.out and len(args.from_json) > 1:
+            args.out.write_text(json.dumps(report, indent=1))
+        print(markdown(report))
+        if args.plot:
+            plot(report, args.plot)
+        return 0
     print(dry_run(args), flush=True)
     if args.dry_run:
         return 0
@@ -548,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.write_text(json.dumps(report, indent=1))
     print(markdown(report))
+    if args.plot:
+        plot(report, args.plot)
     return 0
 
 

@@ -21,7 +21,9 @@ fresh random prompts per request (no prefix-cache hits), greedy, on one machine:
 - ``sglang-colocated``, ``sglang-splitserve``, ``sglang-nixl``, ``sglang-mooncake-tcp``: SGLang
   rows, same model and prompts: our SGLang backend against SGLang's own ``nixl`` and
   ``mooncake`` (TCP) backends, TTFT against a single SGLang server and our exposed handoff
-  (``benchmarks/handoff_sglang.py`` says how each is measured).
+  (``benchmarks/handoff_sglang.py`` says how each is measured; also ``sglang-splitserve-spin``
+  and ``sglang-splitserve-nap``, ours with its nap off or without its wake-up checks, named
+  only with ``--contenders``).
 
 Each row is measured on NIXL's default path and, with ``--transports default tcp``, again with
 ``UCX_TLS=tcp`` (a slower link). Per request the client records:
@@ -54,7 +56,9 @@ compared within their round: each SGLang contender's requests alternate with req
 ``sglang-colocated`` server while that contender's pair runs beside it, and those colocated
 requests are summarized apart, as ``sglang-colocated/<contender>`` (``sglang_rounds``): a
 colocated request measured beside another pair (SGLang's ``nixl``, whose progress thread spins a
-core) is not the reference of ours.
+core) is not the reference of ours. A second targets table gives issue #25's per SGLang
+contender against its round (``handoff_sglang.targets``): TTFT at most 1.1x colocated, and our
+exposed handoff within the same bound as the vLLM path's.
 
 Dispatch goes through ``splitserve.proxy.dispatch`` like the proxy. Output: a JSON file, a
 markdown table on stdout and, when matplotlib is importable, a PNG next to the JSON.
@@ -174,10 +178,10 @@ def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) ->
     """The JSON (rows, summary, links, targets), the two markdown tables and the PNG."""
     import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
 
-    summary = relative_to_round(
-        handoff_sglang.relative_to_colocated(summarize(sglang_rounds(rows)))
-    )
+    rounds = sglang_rounds(rows)
+    summary = relative_to_round(handoff_sglang.relative_to_colocated(summarize(rounds)))
     goals = targets(summary, links)
+    sglang_goals = handoff_sglang.targets(summary, links, rounds)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -187,6 +191,7 @@ def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) ->
                 "summary": summary,
                 "links": links,
                 "targets": goals,
+                "sglang_targets": sglang_goals,
             },
             indent=1,
         )
@@ -194,6 +199,9 @@ def report(rows: list[dict], command: str, out: Path, links: dict[str, dict]) ->
     print(markdown(summary))
     print()
     print(targets_markdown(goals))
+    if sglang_goals:  # each SGLang contender against its own round's colocated requests
+        print()
+        print(handoff_sglang.targets_markdown(sglang_goals))
     if plot(summary, out.with_suffix(".png")):
         print(f"plot: {out.with_suffix('.png')}")
 

@@ -12,8 +12,11 @@ wall clocks: the servers must share a host or a synchronised clock):
 Columns: each event's time (a prefill chunk's forward: first start, last end), then the spans
 where the time goes: ``wait_reg`` (P's request -> D's REGISTER seen by P's poll), ``queue``
 (P's ``init`` -> its first forward), ``forward`` (the sum of its chunks' forwards), ``gaps``
-(between its chunks), ``tail`` (last forward end -> DONE seen at D), ``to_decode`` (DONE -> D's
-first decode step), ``handoff`` (D's exposed handoff). A last row gives the medians.
+(between its chunks), ``tail`` (last forward end -> DONE seen at D), split into ``p_result``
+(last forward end -> the last chunk's ``send``: SGLang's result processing on P) and
+``to_done`` (that ``send`` -> DONE seen at D: the final WRITE, its notification and D's next
+poll), ``to_decode`` (DONE -> D's first decode step), ``decode1`` (that step's forward),
+``handoff`` (D's exposed handoff). A last row gives the medians.
 
 With ``--rows RUN.json`` (a ``benchmarks/handoff.py`` output: its SGLang PD rows carry the
 request's ``room`` and the client's ``send_wall`` / ``first_wall``), each request also gets its
@@ -55,8 +58,21 @@ POINTS = (
     "p_sent",
     "d_done",
     "d_first_decode",
+    "d_first_decode_end",
 )
-SPANS = ("wait_reg", "queue", "forward", "gaps", "chunks", "tail", "to_decode", "handoff")
+SPANS = (
+    "wait_reg",
+    "queue",
+    "forward",
+    "gaps",
+    "chunks",
+    "tail",
+    "p_result",
+    "to_done",
+    "to_decode",
+    "decode1",
+    "handoff",
+)
 CLIENT_POINTS = ("client_send", "client_first")  # only with --rows
 CLIENT_SPANS = ("to_servers", "to_client", "ttft")
 
@@ -123,7 +139,10 @@ class Request:
         row["gaps"] = None if first_last is None else round(first_last - row["forward"], 2)
         row["chunks"] = len(self.forwards)
         row["tail"] = span("fwd_last_end", "d_done")
+        row["p_result"] = span("fwd_last_end", "p_last_chunk")
+        row["to_done"] = span("p_last_chunk", "d_done")
         row["to_decode"] = span("d_done", "d_first_decode")
+        row["decode1"] = span("d_first_decode", "d_first_decode_end")
         row["handoff"] = None if self.handoff_s is None else round(1e3 * self.handoff_s, 2)
         if self.client:
             first_server = min(server_points.values()) if server_points else None

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from splitserve.models import PRESETS, ModelSpec
 from splitserve.proxy.config import ProxyConfig, describe_validation_error
-from splitserve.transfer.layout import tp_mismatch
+from splitserve.transfer.tp import tp_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +267,12 @@ class Deployment(_Strict):
         if self.connector.name == "splitserve" and self.prefill.side_channel_base_port is None:
             raise ValueError("prefill.side_channel_base_port: required by the splitserve connector")
         if self.connector.name == "splitserve":
+            heads = None  # a preset knows its KV heads; a model directory is checked by vLLM
+            if self.model.preset is not None:
+                spec = {**PRESETS[self.model.preset].model_dump(), **self.model.shape}
+                heads = ModelSpec(**spec).num_kv_heads
             mismatch = tp_mismatch(
-                self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+                self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size, heads
             )
             if mismatch:
                 raise ValueError(f"prefill.args / decode.args: {mismatch}")

@@ -239,7 +239,7 @@ def run_sender(setup: Setup, out_path: Path) -> None:
     stream.close()
     channel.close()
     agent.close()
-    out_path.write_text(json.dumps({"records": records, "sender_stats": stats}))
+    out_path.write_text(json.dumps({"records": records, "sender_stats": stats}, default=list))
 
 
 def _probe_link(agent: Any, registration: Any, setup: Setup, p_blocks: list[int]) -> dict:

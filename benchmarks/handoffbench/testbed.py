@@ -12,7 +12,9 @@ host to D's (the planner's ``B`` and ``a``), then the requests. Per request:
 
 - ours: ``exposed_s`` (the connector's ``vllm:splitserve_exposed_handoff_seconds``, P's forward
   end -> DONE at D), ``after_p_s`` (client TTFT beyond P's answer), ``p_prefill_s`` (P's
-  ``vllm:request_prefill_time_seconds`` for the request: ``t_c = p_prefill_s / L``);
+  ``vllm:request_prefill_time_seconds`` for the request: ``t_c = p_prefill_s / L``),
+  ``tail_s`` (P's ``vllm:splitserve_forward_tail_seconds``: its last layer hook -> the same
+  forward end the exposed clock starts at; the planner's ``t_tail``);
 - stock: ``handoff_s`` (P's answer -> D's first token, as ``handoff.py`` measures it),
   ``d_step_s`` (D's one forward after its load, so ``handoff - d_step`` is the transfer).
 
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.metrics import histogram
+from common.metrics import histogram, histogram_in, metrics_text
 from common.plotting import pyplot
 
 from handoffbench import viability
@@ -46,6 +48,9 @@ from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
 
 PREFILL = "vllm:request_prefill_time_seconds"
+# P's forward tail per request: its last layer hook -> the forward's end (the exposed clock's
+# start), recorded by our connector; the planner's ``t_tail``.
+TAIL = "vllm:splitserve_forward_tail_seconds"
 D_STEP = "vllm:request_prefill_time_seconds"
 BLOCK = 128  # vLLM CPU's block size
 KINDS = ("push", "pull", "nixl")
@@ -220,12 +225,18 @@ def start_pair(
 
 
 def _with_prefill(pair: dict, fn) -> dict:  # noqa: ANN001 - a flow
-    before = histogram(pair["p"], PREFILL)
+    """``fn``'s row with P's prefill time and (our connector) P's forward tail, from P's
+    ``/metrics`` around it."""
+    text = metrics_text(pair["p"])
+    before, tail_before = histogram_in(text, PREFILL), histogram_in(text, TAIL)
     out = fn()
     time.sleep(0.2)  # P's last step's stats
-    after = histogram(pair["p"], PREFILL)
+    text = metrics_text(pair["p"])
+    after, tail_after = histogram_in(text, PREFILL), histogram_in(text, TAIL)
     if after[1] > before[1]:
         out["p_prefill_s"] = (after[0] - before[0]) / (after[1] - before[1])
+    if tail_after[1] > tail_before[1]:
+        out["tail_s"] = (tail_after[0] - tail_before[0]) / (tail_after[1] - tail_before[1])
     return out
 
 

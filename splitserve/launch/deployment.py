@@ -123,6 +123,10 @@ def _kv_transfer_config(
         "side_channel_host": side_host,
         "side_channel_port": side_port,
     }
+    p_tp, d_tp = dep.prefill.tensor_parallel_size, dep.decode.tensor_parallel_size
+    if p_tp != d_tp:  # each rank's peers (connectors/vllm/ranks.py); equal: the default
+        extra.setdefault("prefill_tp_size", p_tp)
+        extra.setdefault("decode_tp_size", d_tp)
     if is_loopback(side_host):  # every P of this deployment is on this host's loopback
         extra.setdefault("allowed_prefill_hosts", list(LOOPBACK_PREFILL_HOSTS))
     elif side_host in dep.host_addresses():  # placed on hosts: D contacts only the Ps' hosts

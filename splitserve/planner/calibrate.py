@@ -26,7 +26,8 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -389,11 +390,19 @@ def calibrate_machine(
     nixl_sizes: list[int] | None = None,
     nixl_runs: int = 5,
     handoff_results: Path | None = None,
+    threads: int | None = None,
 ) -> CalibrationResult:
-    """Measure layer time, memory bandwidth and NIXL bandwidth; return what to plan with."""
+    """Measure layer time, memory bandwidth and NIXL bandwidth; return what to plan with.
+
+    ``threads``: the CPU threads the layer timing may use (None: torch's default, every core).
+    A CPU server pinned to one core computes with one thread, so timing its layer on all of
+    them overstates its FLOP/s (here 241 against 143 GFLOP/s on one thread: docs/benchmarks.md)."""
     started = time.monotonic()
     try:
-        layer = time_layer(model, tokens or [128, 512], device, budget_s)
+        with _torch_threads(threads):
+            layer = time_layer(model, tokens or [128, 512], device, budget_s)
+        if threads is not None and layer.device == "cpu":
+            layer.notes.append(f"layer timed with {threads} CPU thread(s)")
     except (RuntimeError, MemoryError) as e:
         raise CalibrationError(f"layer timing failed on {device}: {e}") from e
     nixl_sizes = nixl_sizes or [1 << 20, 8 << 20, 32 << 20]
@@ -440,6 +449,22 @@ def _probe_nixl(sizes: list[int], runs: int, device: str) -> Any:
         raise CalibrationError(f"NIXL probe failed: {type(e).__name__}: {e}") from e
     result.notes.append(f"the GPU-memory (VRAM) probe failed ({vram_error}): host memory measured")
     return result
+
+
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` for the block (None: unchanged)."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class CalibrationError(RuntimeError):

@@ -157,6 +157,13 @@ def model_options(command):
     help="Rough bound on the layer timing's duration.",
 )
 @click.option(
+    "--calibrate-threads",
+    type=click.IntRange(min=1, max=1024),
+    help="CPU threads the layer timing may use (torch.set_num_threads) [default: torch's, "
+    "every core]. Give the threads one server gets (1 for a server pinned to one core), or "
+    "the layer's FLOP/s overstate what that server computes.",
+)
+@click.option(
     "--nixl-sizes-mib",
     default="1,8,32",
     show_default=True,
@@ -196,6 +203,7 @@ def plan(
     nixl_sizes_mib: str,
     handoff_results: str | None,
     calibration_path: str | None,
+    calibrate_threads: int | None = None,
     prefill_gpu: str | None = None,
     decode_gpu: str | None = None,
     prefill_gpus_per_replica: int | None = None,
@@ -233,6 +241,7 @@ def plan(
                 budget_s=calibrate_budget_s,
                 nixl_sizes_mib=nixl_sizes_mib,
                 handoff_results=handoff_results,
+                threads=calibrate_threads,
             )
             acc, weight_bytes = measured.accelerator, measured.weight_bytes
             if not _link_given(link_gbps):
@@ -356,6 +365,7 @@ def _calibrate(
     budget_s: float,
     nixl_sizes_mib: str,
     handoff_results: str | None,
+    threads: int | None = None,
 ) -> CalibrationResult:
     """Measure this machine (imports torch and NIXL only now); a failure is one ``Error:``."""
     from splitserve.planner.calibrate import CalibrationError, calibrate_machine
@@ -369,6 +379,7 @@ def _calibrate(
             budget_s=budget_s,
             nixl_sizes=[n << 20 for n in _int_list("--nixl-sizes-mib", nixl_sizes_mib)],
             handoff_results=Path(handoff_results) if handoff_results else None,
+            threads=threads,
         )
     except CalibrationError as e:
         raise click.ClickException(str(e)) from None

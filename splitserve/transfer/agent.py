@@ -47,6 +47,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.tp import HeadSlice
 
 logger = logging.getLogger(__name__)
 
@@ -91,23 +92,30 @@ class TransferPostError(RuntimeError):
 
 
 class _DescriptorIndex:
-    """Maps (layer, block, run) to an index in a layout's one prepared descriptor list."""
+    """Maps (layer, block, run) to an index in a layout's one prepared descriptor list; with
+    ``heads``, the runs are the sub-runs holding only those heads (a peer of another TP size:
+    ``tp.exchange_slices``), so a copy moves exactly the peer's heads, no staging buffer."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, heads: HeadSlice | None = None) -> None:
         self.layout = layout
+        self.heads = heads
+        self.runs = [layout.block_runs(i, heads) for i in range(len(layout.layers))]
+        self.block_bytes = [sum(n for _, n in runs) for runs in self.runs]
         self.layer_offsets: list[int] = []
         total = 0
-        for layer in layout.layers:
+        for layer, runs in zip(layout.layers, self.runs, strict=True):
             self.layer_offsets.append(total)
-            total += layer.num_blocks * len(layer.runs)
+            total += layer.num_blocks * len(runs)
         self.size = total
 
     def descriptors(self) -> np.ndarray:
         rows = np.zeros((self.size, 3), dtype=np.uint64)
-        for layer, offset in zip(self.layout.layers, self.layer_offsets, strict=True):
-            n_runs = len(layer.runs)
+        for layer, offset, runs in zip(
+            self.layout.layers, self.layer_offsets, self.runs, strict=True
+        ):
+            n_runs = len(runs)
             blocks = np.arange(layer.num_blocks, dtype=np.uint64)
-            for r, (run_offset, run_len) in enumerate(layer.runs):
+            for r, (run_offset, run_len) in enumerate(runs):
                 idx = offset + np.arange(layer.num_blocks) * n_runs + r
                 rows[idx, 0] = layer.base_addr + run_offset + blocks * layer.block_stride
                 rows[idx, 1] = run_len
@@ -118,8 +126,7 @@ class _DescriptorIndex:
         """Descriptor indices for (layer, block) pairs, all runs of each, in order."""
         out = []
         for layer_id in np.unique(layers):
-            layer = self.layout.layers[int(layer_id)]
-            n_runs = len(layer.runs)
+            n_runs = len(self.runs[int(layer_id)])
             sel = blocks[layers == layer_id]
             base = self.layer_offsets[int(layer_id)] + sel * n_runs
             out.append((base[:, None] + np.arange(n_runs)[None, :]).reshape(-1))
@@ -132,6 +139,9 @@ class _Peer:
     layout: KVLayout
     index: _DescriptorIndex
     dlist: object
+    # Our side of copies with this peer: our whole runs (None: the agent's own list), or only
+    # the peer's heads (a decode peer of a larger TP size, ``tp.exchange_slices``).
+    local: tuple[_DescriptorIndex, object] | None = None
     refs: int = 1  # add_peer calls not yet matched by remove_peer
 
 
@@ -241,7 +251,8 @@ class KVAgent:
         problem = self.layout.incompatibility(layout)
         if problem:
             raise ValueError(f"peer KV layout incompatible: {problem}")
-        index = _DescriptorIndex(layout)
+        ours, theirs = self.layout.head_slices(layout)
+        index = _DescriptorIndex(layout, theirs)
         descriptors = index.descriptors()
         with self._lock:
             agent_name = self._agent.add_remote_agent(agent_metadata)
@@ -251,7 +262,14 @@ class KVAgent:
                 self._peers[agent_name].refs += 1
                 return agent_name
             dlist = self._agent.prep_xfer_dlist(agent_name, descriptors, layout.memory)
-            self._peers[agent_name] = _Peer(agent_name, layout, index, dlist)
+            local = None
+            if ours is not None:
+                local_index = _DescriptorIndex(self.layout, ours)
+                local_dlist = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", local_index.descriptors(), self.layout.memory
+                )
+                local = (local_index, local_dlist)
+            self._peers[agent_name] = _Peer(agent_name, layout, index, dlist, local)
         return agent_name
 
     def peer_layout(self, agent_name: str) -> KVLayout | None:
@@ -272,6 +290,8 @@ class KVAgent:
                 return
             del self._peers[agent_name]
             peer.dlist.release()
+            if peer.local is not None:
+                peer.local[1].release()
             self._agent.remove_remote_agent(agent_name)
         logger.debug("NIXL agent %s: peer %s unloaded", self.name, agent_name)
 
@@ -309,14 +329,15 @@ class KVAgent:
             peer.layout.validate_block_ids(
                 np.asarray(remote_blocks)[sel].tolist(), f"block of peer {peer_name}", layer
             )
-        local_idx = self._index.indices(layer_arr, np.asarray(local_blocks, dtype=np.int64))
+        local_index, local_dlist = peer.local or (self._index, self._local_dlist)
+        local_idx = local_index.indices(layer_arr, np.asarray(local_blocks, dtype=np.int64))
         remote_idx = peer.index.indices(layer_arr, np.asarray(remote_blocks, dtype=np.int64))
-        num_bytes = sum(self.layout.layers[layer].block_bytes for layer in layers)
+        num_bytes = sum(local_index.block_bytes[layer] for layer in layers)
         with self._lock:
             try:
                 handle = self._agent.make_prepped_xfer(
                     operation,
-                    self._local_dlist,
+                    local_dlist,
                     local_idx,
                     peer.dlist,
                     remote_idx,

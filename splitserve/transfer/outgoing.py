@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.transfer import messages
@@ -57,6 +58,12 @@ class SenderStats:
     # the second at zero; a hook that stopped firing turns every layer into the second.
     layers_posted_in_forward: int = 0
     layers_posted_at_step_end: int = 0
+    # Per request whose prompt a step completed: seconds from the step's last per-layer hook
+    # (the last slice posted) to the forward's end (``end_step``, where the exposed handoff's
+    # clock starts). The last slice moves during this tail, which the planner's streaming model
+    # subtracts (``planner.handoff``). Drained by the engine's stats export; bounded for one
+    # that does not drain it.
+    forward_tails_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class Reply(enum.Enum):

@@ -3,8 +3,9 @@
 Engine-agnostic; used by ``KVSender`` in the thread that drives it. A receiver's HELLO carries
 its NIXL metadata and KV layout; P admits it only if the metadata inside names the agent the
 HELLO claims, and only if its layout is compatible with ours (checked before anything is
-allocated for it: ``KVLayout.incompatibility``). From then on that connection (its ZMQ routing
-id) may register transfers for that agent, and no other connection may.
+allocated for it: ``KVLayout.incompatibility``; a receiver of a tensor parallel size that
+cannot pair with ours is refused first, ``tp.tp_mismatch``). From then on that connection (its
+ZMQ routing id) may register transfers for that agent, and no other connection may.
 
 Why the binding holds (docs/security.md, "Bound to a peer"): a receiver gives each address it
 dials its own random routing id (``messages.new_routing_id``), kept for the life of its process
@@ -54,6 +55,7 @@ from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.auth import PeerLog
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.side_channel import PeerRef, SideChannel
+from splitserve.transfer.tp import tp_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,11 @@ class PeerAdmission:
                 return
         try:
             layout = KVLayout.model_validate(hello.layout)
+            # We send, the peer receives: sizes the connector cannot pair are refused first,
+            # with both named (not as a run-length mismatch).
+            mismatch = tp_mismatch(self.agent.layout.tp_size, layout.tp_size)
+            if mismatch is not None:
+                raise ValueError(f"peer KV layout incompatible: {mismatch}")
             name = self.agent.add_peer(hello.agent_metadata, layout)
             self._refs[name] = self._refs.get(name, 0) + 1
         except Exception as exc:  # bad metadata or layout: refuse this peer, keep serving

@@ -45,7 +45,8 @@ Invariants:
 - A request's blocks are released only when its transfer is terminal and none of its WRITEs is
   in flight; an ABORT or ABORT_ACK is sent to D only then, so D never frees blocks that a WRITE
   of ours may still fill.
-- Registrations for transfer ids we do not know yet are held for the lease, then refused.
+- Registrations for transfer ids we do not know yet are held for the lease, then refused; one
+  for an id whose lease expired unregistered (within a lease of that) is refused at once.
 - ``end_step`` posts a layer the engine's hook did not report, so no block is ever missed; the
   stats tell the two paths apart (``layers_posted_in_forward`` / ``layers_posted_at_step_end``).
 - Every state has a deadline: a registration the lease, a pull's CLOSING the lease after DONE,
@@ -129,6 +130,9 @@ class KVSender:
         self._transfers: dict[str, Outgoing] = {}
         self._orphans: dict[str, _Orphan] = {}
         self._tombstones: dict[str, float] = {}  # cancelled ids -> until when to refuse them
+        # ids whose lease expired unregistered -> until when a late REGISTER is refused at once
+        # (held as an unknown id it would wait another lease, and D with it)
+        self._expired: dict[str, float] = {}
         self.peers = PeerAdmission(
             agent,
             channel,
@@ -139,6 +143,7 @@ class KVSender:
         )
         self._in_step: list[Outgoing] = []
         self._layers_seen: set[int] = set()
+        self._last_hook_at: float | None = None  # perf_counter of this step's last layer hook
         self._stepping = False
 
     @property
@@ -185,6 +190,7 @@ class KVSender:
             Transfer(transfer_id, S.AWAITING_REGISTRATION), num_tokens=num_tokens, aux_row=aux_row
         )
         self._transfers[transfer_id] = out
+        self._expired.pop(transfer_id, None)  # the id names this request now
         if transfer_id in self._tombstones:  # D aborted before we heard of the request
             out.record.transition(S.ABORTED, "receiver aborted before the request arrived")
             out.reply = Reply.SENT
@@ -197,6 +203,7 @@ class KVSender:
         self._process_inbox()
         self._in_step = []
         self._layers_seen = set()
+        self._last_hook_at = None
         for update in updates:
             out = self._transfers.get(update.transfer_id)
             if out is None or out.record.state.terminal:
@@ -222,6 +229,7 @@ class KVSender:
         start of the exposed handoff (what D waits for beyond P's own compute): the last
         layer's WRITE was posted when its attention ran, during the rest of the forward."""
         forward_end = time.time()
+        tail = None if self._last_hook_at is None else time.perf_counter() - self._last_hook_at
         # A layer the engine did not report (no per-layer hook ran for it) is posted now, so
         # the watermark below never runs ahead of what was written.
         for layer in range(self.num_layers):
@@ -234,6 +242,8 @@ class KVSender:
             out.computed = max(out.computed, out.step_computed)
             if out.computed >= out.num_tokens and out.prefill_end_wall is None:
                 out.prefill_end_wall = forward_end
+                if tail is not None:
+                    self.stats.forward_tails_s.append(tail)
             if out.record.state is S.STREAMING:
                 out.sent_upto = max(out.sent_upto, min(self._ready_blocks(out), out.end))
                 if out.sent_upto >= out.end:
@@ -290,6 +300,7 @@ class KVSender:
             if out.record.state is S.AWAITING_REGISTRATION and out.record.expired(now):
                 out.record.transition(S.EXPIRED, f"no registration within {self.lease_s}s lease")
                 self.stats.lease_expiries += 1
+                self._expired[out.record.transfer_id] = now + self.lease_s
             elif out.record.state is S.CLOSING and out.record.expired(now):
                 # only a pull arms this deadline: its DONE awaits D's PULLED
                 out.record.transition(S.EXPIRED, f"no PULLED within {self.lease_s}s of DONE")
@@ -298,9 +309,10 @@ class KVSender:
             if now >= orphan.deadline:
                 del self._orphans[transfer_id]
                 self._refuse(orphan.peer, transfer_id, "unknown transfer id")
-        for transfer_id, until in list(self._tombstones.items()):
-            if now >= until:
-                del self._tombstones[transfer_id]
+        for ended in (self._tombstones, self._expired):
+            for transfer_id, until in list(ended.items()):
+                if now >= until:
+                    del ended[transfer_id]
         released: dict[str, Transfer] = {}
         for transfer_id, out in list(self._transfers.items()):
             if not out.record.state.terminal or out.handles:
@@ -344,6 +356,8 @@ class KVSender:
         if any(out.record.state is S.AWAITING_REGISTRATION for out in self._in_step):
             self._process_inbox()
         self._layers_seen.add(layer)
+        if in_forward:
+            self._last_hook_at = time.perf_counter()  # the slice can leave from here
         if self._in_step and in_forward:
             self.stats.layers_posted_in_forward += 1
         posted = False
@@ -492,6 +506,10 @@ class KVSender:
             self._refuse(peer, transfer_id, "transfer cancelled on the prefill side")
             return
         out = self._transfers.get(transfer_id)
+        if out is None and transfer_id in self._expired:
+            reason = f"registration after the prefill side's {self.lease_s:g}s lease expired"
+            self._refuse(peer, transfer_id, reason)
+            return
         if out is None:
             orphan = self._orphans.get(transfer_id)
             if orphan is not None and orphan.peer == peer and orphan.message == reg:

@@ -7,7 +7,14 @@ Three servers of one tiny model with 4 KV heads (so TP 1, 2 and 4 divide them), 
   processes each). Rank r binds its side channel on base + r; D's rank r dials P's rank r.
 - ``tp-ref``: tensor parallel 1. Without ``kv_transfer_params`` it is a colocated server, the
   reference every disaggregated answer must equal (greedy tokens and logprobs); with them it
-  is the other size in the refusal checks.
+  is the other size: P TP 1 -> D TP 2 (``decode_tp_size: 2``: each P rank sends one share per
+  D rank it feeds, D rank j dials P rank j // 2; D learns P's size from ``remote_tp_size``,
+  which P's answer carries in the sequential flow and the test adds to D's params in the
+  concurrent one, as a proxy that knows the pools would), and P TP 2 -> D TP 1 (P's
+  params say ``decode_tp_size: 1``: ``tp-p`` also feeds ``tp-d`` of its own size; D rank 0
+  loads one share from each P rank, each a sub-run of D's blocks).
+- Refused: a size that cannot pair (D told P has TP 3) fails at D's scheduler half at once,
+  naming both sizes.
 
 On our 2 cores the five engine processes run unpinned with one OpenMP thread each (two
 engines pinned to one core missed the side channel's bounds: docs/connector-protocol.md).
@@ -78,7 +85,7 @@ def _free_run(count: int) -> int:
     raise RuntimeError(f"no run of {count} free ports")
 
 
-def _kv_config(side_port: int) -> dict:
+def _kv_config(side_port: int, **settings) -> dict:
     return {
         "kv_connector": "SplitserveConnector",
         "kv_role": "kv_both",
@@ -87,6 +94,7 @@ def _kv_config(side_port: int) -> dict:
             "auth_key_file": key_file(TEST_KEY),
             "lease_s": LEASE_S,
             "done_timeout_s": 300,
+            **settings,
         },
     }
 
@@ -105,7 +113,10 @@ def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
         servers.vllm(
             key,
             Path(model),
-            kv_transfer_config=_kv_config(sides[key]),
+            # tp-ref feeds tp-d as P: one share per D rank (D's size twice its own)
+            kv_transfer_config=_kv_config(
+                sides[key], **({"decode_tp_size": 2} if key == "tp-ref" else {})
+            ),
             extra_args=[
                 "--max-model-len",
                 "2048",
@@ -177,13 +188,21 @@ def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> 
         assert abs(got - want) < 1e-2, f"{what}: logprobs {got_lp} != colocated {ref_lp}"
 
 
-def concurrent(p, d, prompt, first_token: bool = False) -> dict:
+def concurrent(
+    p, d, prompt, first_token: bool = False, remote_tp_size=None, decode_tp_size=None
+) -> dict:
     """The proxy's concurrent flow by its own dispatch functions; with ``first_token`` the
-    answer is P's token followed by D's, as the proxy stitches them."""
+    answer is P's token followed by D's, as the proxy stitches them; ``remote_tp_size`` /
+    ``decode_tp_size``: P's size in D's params, D's in P's (what a proxy that knows the pools
+    would add)."""
     (p_url, p_side), (d_url, _) = p, d
     prefill, decode = dispatch.vllm_concurrent_requests(
         body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side, first_token
     )
+    if remote_tp_size is not None:
+        decode["kv_transfer_params"]["remote_tp_size"] = remote_tp_size
+    if decode_tp_size is not None:
+        prefill["kv_transfer_params"]["decode_tp_size"] = decode_tp_size
     with ThreadPoolExecutor(2) as pool:
         p_future = pool.submit(post, p_url, prefill)
         d_future = pool.submit(post, d_url, decode)
@@ -290,38 +309,90 @@ def test_through_the_proxy_both_concurrent_flows(tp):
     wait_kv_usage_zero(d_url)
 
 
+# -- P TP 1 -> D TP 2 (D wider) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_token", [False, True], ids=["concurrent", "first-token"])
+def test_tp1_to_tp2_equals_colocated_tp1(tp, first_token):
+    """Each D rank gets its two of P's four heads (a sub-run of P's blocks): a wrong slice
+    shows in tokens and logprobs; each load counts once per D rank; P frees every share."""
+    p, d, ref = tp["tp-ref"], tp["tp-d"], tp["tp-ref"]
+    loads = "vllm:splitserve_loads_completed_total"
+    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
+    seed = 9700 + 100 * first_token
+    for i, length in enumerate(LENGTHS):
+        prompt = prompt_of(length, seed + i)
+        want = tokens(post(ref[0], body_for(prompt)))
+        answer = concurrent(p, d, prompt, first_token, remote_tp_size=1)
+        assert_same(answer, want, f"P TP 1 -> D TP 2, {length} tokens")
+    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
+    wait_metric(d[0], loads, loaded + 2 * requests_loaded)
+    assert failed_loads(d[0]) == before
+    wait_kv_usage_zero(p[0])
+    wait_kv_usage_zero(d[0])
+
+
+def test_tp1_to_tp2_sequential_flow(tp):
+    """P TP 1's answer says its size; both D ranks load from P's rank 0."""
+    (p_url, _), (d_url, _) = tp["tp-ref"], tp["tp-d"]
+    body = body_for(prompt_of(300, 9900))
+    want = tokens(post(p_url, body))
+    p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body))
+    assert p_answer["kv_transfer_params"]["remote_tp_size"] == 1, p_answer
+    answer = post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer))
+    assert_same(answer, want, "P TP 1 -> D TP 2, sequential")
+    wait_kv_usage_zero(p_url)
+
+
+# -- P TP 2 -> D TP 1 (P wider) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_token", [False, True], ids=["concurrent", "first-token"])
+def test_tp2_to_tp1_equals_colocated_tp1(tp, first_token):
+    """D's one rank loads two shares, one from each P rank (its heads 0-1 and 2-3, each a
+    sub-run of D's blocks): a missing share shows in tokens and logprobs; P frees on both."""
+    p, d, ref = tp["tp-p"], tp["tp-ref"], tp["tp-ref"]
+    loads = "vllm:splitserve_loads_completed_total"
+    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
+    seed = 10100 + 100 * first_token
+    for i, length in enumerate(LENGTHS):
+        prompt = prompt_of(length, seed + i)
+        want = tokens(post(ref[0], body_for(prompt)))
+        answer = concurrent(p, d, prompt, first_token, remote_tp_size=2, decode_tp_size=1)
+        assert_same(answer, want, f"P TP 2 -> D TP 1, {length} tokens")
+    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
+    wait_metric(d[0], loads, loaded + 2 * requests_loaded)  # one load per share
+    assert failed_loads(d[0]) == before
+    wait_kv_usage_zero(p[0])
+    wait_kv_usage_zero(d[0])
+
+
+def test_tp2_to_tp1_sequential_flow(tp):
+    """P TP 2's answer says its size; D TP 1 registers one share with each P rank."""
+    (p_url, _), (d_url, _) = tp["tp-p"], tp["tp-ref"]
+    body = body_for(prompt_of(300, 10300))
+    want = tokens(post(d_url, body))
+    prefill = dispatch.vllm_sequential_prefill_request(body)
+    prefill["kv_transfer_params"]["decode_tp_size"] = 1
+    p_answer = post(p_url, prefill)
+    assert p_answer["kv_transfer_params"]["remote_tp_size"] == 2, p_answer
+    answer = post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer))
+    assert_same(answer, want, "P TP 2 -> D TP 1, sequential")
+    wait_kv_usage_zero(p_url)
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 
-def test_a_decode_of_another_tp_size_fails_the_request_naming_both_sizes(tp):
-    """Sequential flow: P TP 2's answer says its size; D TP 1 fails the request at once (an
-    error, never a hang or a local answer) and P frees on every rank."""
-    (p_url, _), (ref_url, _) = tp["tp-p"], tp["tp-ref"]
-    body = body_for(prompt_of(200, 9500))
-    p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body))
+def test_a_size_that_cannot_pair_fails_the_request_naming_both_sizes(tp):
+    """D TP 2 told that P has TP 3 (neither a multiple of the other) fails the request at once
+    at its scheduler half (an error, never a hang or a local answer); P frees after its lease."""
+    (p_url, _), (d_url, _) = tp["tp-p"], tp["tp-d"]
     start = time.monotonic()
-    answer = post(ref_url, dispatch.vllm_sequential_decode_request(body, p_answer), timeout=60)
-    assert "choices" not in answer, answer
-    assert time.monotonic() - start < 30
-    text = log_text(tp, "tp-ref")
-    assert "prefill tensor parallel size 2 != decode tensor parallel size 1" in text
-    wait_kv_usage_zero(ref_url)
-    wait_kv_usage_zero(p_url)  # D released the transfer (rank 0) / the lease (rank 1)
-
-
-@pytest.mark.parametrize(("p_key", "d_key"), [("tp-ref", "tp-d"), ("tp-p", "tp-ref")])
-def test_concurrent_flow_across_tp_sizes_is_refused_at_hello(tp, p_key, d_key):
-    """The proxy does not know P's size: the ranks' HELLO is refused by P (layouts name their
-    shard), so D's request fails within the side channel's bounds, never a garbage answer."""
-    p, d = tp[p_key], tp[d_key]
-    before = failed_loads(d[0])
-    start = time.monotonic()
-    answer = concurrent(p, d, prompt_of(200, 9600 + len(p_key)))
+    answer = concurrent(tp["tp-p"], tp["tp-d"], prompt_of(200, 9500), remote_tp_size=3)
     assert "choices" not in answer, answer
     assert time.monotonic() - start < 60
-    assert failed_loads(d[0]) > before
-    sizes = {"tp-ref": 1, "tp-p": 2, "tp-d": 2}
-    named = f"tensor parallel size {sizes[p_key]} here, {sizes[d_key]} at the peer"
-    assert named in log_text(tp, d_key), "D's failed load names both sizes (P's refusal)"
-    wait_kv_usage_zero(d[0])
-    wait_kv_usage_zero(p[0])
+    text = log_text(tp, "tp-d")
+    assert "prefill tensor parallel size 3, decode tensor parallel size 2" in text
+    wait_kv_usage_zero(d_url)
+    wait_kv_usage_zero(p_url)

@@ -4,7 +4,8 @@ reachable from the API server, and a wrong setting failing at start-up.
 One real server runs ``--scheduler-cls splitserve.schedulers.vllm.AdaptiveChunkScheduler`` with
 ``PROMETHEUS_MULTIPROC_DIR`` set, so the scheduler's metrics (written in the EngineCore process)
 appear on the API server's ``/metrics``: that is how the test observes the budget, as an operator
-would. Its target is 1 ms, unreachable on any machine, so the budget is exactly the maximum chunk
+would. Its target is 1 µs, unreachable on any machine (1 ms was not: a CI run learned steps fast
+enough that 128 tokens beside a few decodes "fit"), so the budget is exactly the maximum chunk
 on steps without decodes and the minimum chunk (256 tokens, the default) on steps with decodes:
 whether it moved is then a fact of the workload, not of timing. The reference is the shared
 default-scheduler server (key ``unified``).
@@ -45,7 +46,7 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def adaptive_and_default(servers, tiny_model, tmp_path_factory):
     prometheus_dir = tmp_path_factory.mktemp("prometheus-multiproc")
-    settings = {"splitserve_scheduler": {"target_itl_ms": 1.0, "log_interval_s": 5}}
+    settings = {"splitserve_scheduler": {"target_itl_ms": 0.001, "log_interval_s": 5}}
     adaptive = servers.vllm(
         "adaptive-scheduler",
         tiny_model,

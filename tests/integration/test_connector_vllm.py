@@ -154,6 +154,18 @@ def metric(url: str, name: str) -> float:
     return metric_sum(fetch_metrics(url), name)
 
 
+def wait_metric_at_least(url: str, name: str, want: float, bound: float = 30.0) -> None:
+    """``name`` on ``url`` reaches ``want`` within ``bound`` s. A connector's counters reach
+    ``/metrics`` with the engine's next step, so a count raised between steps (a side-channel
+    refusal) shows only once more work has run: call this after some."""
+    end = time.monotonic() + bound
+    got = metric(url, name)
+    while got < want:
+        assert time.monotonic() < end, f"{url}: {name} {got} did not reach {want}"
+        time.sleep(0.5)
+        got = metric(url, name)
+
+
 def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:
     end = time.monotonic() + bound
     usage = None
@@ -329,7 +341,8 @@ def test_no_leak_and_metrics(pair):
 def test_layers_are_posted_during_the_forward(pair, tiny_model):
     """The overlap proof on a real server: a chunked prefill through the pair has P post every
     layer from the per-layer hook while its forward runs (``layers_posted_in_forward`` rises by
-    at least the model's layer count) and none after it (``layers_posted_at_step_end`` stays).
+    at least the model's layer count) and none after it (``layers_posted_at_step_end`` stays), and
+    records one forward tail (``forward_tail_seconds``: the prompt's last chunk).
     Were the hook to stop firing (an engine upgrade renaming what we hook), the tokens would
     still match, every layer going out after the forward as one bulk transfer: this fails then."""
     layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
@@ -341,6 +354,7 @@ def test_layers_are_posted_during_the_forward(pair, tiny_model):
         "vllm:splitserve_layers_posted_at_step_end_total",
     ]
     completed, in_forward, at_step_end = (metric(p_url, name) for name in names)
+    tails = metric(p_url, "vllm:splitserve_forward_tail_seconds_count")
     prompt = prompt_of(1300, 1400)  # three chunks on P
     assert_same(concurrent_flow(p, d, prompt), reference(p_url, prompt), "overlap")
     # P's stats reach /metrics with its step outputs; the transfer's completion comes last.
@@ -350,6 +364,8 @@ def test_layers_are_posted_during_the_forward(pair, tiny_model):
         time.sleep(0.2)
     assert metric(p_url, names[1]) >= in_forward + layers, "layers not posted in the forward"
     assert metric(p_url, names[2]) == at_step_end, "layers posted after the forward"
+    # one forward tail (last layer's hook -> forward's end): the chunk that completed the prompt
+    assert metric(p_url, "vllm:splitserve_forward_tail_seconds_count") == tails + 1
 
 
 def test_push_prefill_server(pair, servers, tiny_model):

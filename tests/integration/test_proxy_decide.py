@@ -220,13 +220,13 @@ CHOSEN = "splitserve_scheduler_prefill_budget_chosen_tokens_bucket"
 @pytest.fixture(scope="module")
 def adaptive_decode(ss_pair, servers, tiny_model, tmp_path_factory) -> Iterator[str]:
     """A third server of the pair, a D running the adaptive scheduler as ``splitserve up``
-    deploys D, with a 1 ms ITL target: unreachable, so its budget is exactly ``MAX_CHUNK`` on a
-    step without decodes and ``MIN_CHUNK`` on a step with decodes, a fact of the workload and not
-    of timing (tests/integration/test_adaptive_scheduler.py). ``PROMETHEUS_MULTIPROC_DIR`` puts
-    the scheduler's metrics (EngineCore) on the server's own ``/metrics``. Its own server rather
-    than ss-b, so the pair's other modules keep their default scheduler; stopped when this
-    module ends."""
-    settings = {"splitserve_scheduler": {"target_itl_ms": 1.0, "min_chunk": MIN_CHUNK}}
+    deploys D, with a 1 µs ITL target: unreachable (1 ms was not, on a CI run), so its budget is
+    exactly ``MAX_CHUNK`` on a step without decodes and ``MIN_CHUNK`` on a step with decodes, a
+    fact of the workload and not of timing (tests/integration/test_adaptive_scheduler.py).
+    ``PROMETHEUS_MULTIPROC_DIR`` puts the scheduler's metrics (EngineCore) on the server's own
+    ``/metrics``. Its own server rather than ss-b, so the pair's other modules keep their default
+    scheduler; stopped when this module ends."""
+    settings = {"splitserve_scheduler": {"target_itl_ms": 0.001, "min_chunk": MIN_CHUNK}}
     server = servers.vllm(
         ADAPTIVE_D,
         tiny_model,

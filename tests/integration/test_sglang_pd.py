@@ -222,7 +222,7 @@ def test_timeline_of_a_request_from_both_logs(fronts, servers):
     end = time.monotonic() + 60
     while True:
         new = [r for room, r in timeline.read_logs(logs).items() if room not in before]
-        if new and "d_first_decode" in new[-1].events:
+        if new and "d_first_decode_end" in new[-1].events:
             break
         assert time.monotonic() < end, f"no complete timeline: {[r.events for r in new]}"
         time.sleep(0.2)
@@ -230,7 +230,15 @@ def test_timeline_of_a_request_from_both_logs(fronts, servers):
     missing = [name for name in timeline.POINTS if row[name] is None]
     assert not missing, (missing, row)
     assert row["chunks"] >= 4, row  # 3 * CHUNK + 5 tokens, chunked by CHUNK
-    order = ["p_request", "p_init", "fwd_first_start", "fwd_last_end", "d_done", "d_first_decode"]
+    order = [
+        "p_request",
+        "p_init",
+        "fwd_first_start",
+        "fwd_last_end",
+        "d_done",
+        "d_first_decode",
+        "d_first_decode_end",
+    ]
     assert [row[n] for n in order] == sorted(row[n] for n in order), row
     assert row["d_registered"] <= row["p_registered"], row
     assert row["failed"] == ""

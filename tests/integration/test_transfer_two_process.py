@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import deque
 
 import pytest
 
@@ -115,7 +116,7 @@ def run_sender(scenario: str, port: int, key: bytes | None) -> None:
         event="end",
         released=sorted(released),
         state=str(sender.state_of(tid)),
-        stats=sender.stats.__dict__,
+        stats={k: list(v) if isinstance(v, deque) else v for k, v in vars(sender.stats).items()},
     )
     channel.close()
 

@@ -41,10 +41,10 @@ def test_a_rank_port_past_the_range_is_refused():
 
 
 def test_tp_mismatch_names_both_sizes():
-    assert tp_mismatch(2, 2) is None
-    message = tp_mismatch(2, 1)
+    assert tp_mismatch(2, 2) is None and tp_mismatch(1, 2) is None and tp_mismatch(2, 1) is None
+    message = tp_mismatch(2, 3)
     assert "prefill tensor parallel size 2" in message
-    assert "decode tensor parallel size 1" in message
+    assert "decode tensor parallel size 3" in message
 
 
 def _layout(tp_size=1, tp_rank=0, run=1024):
@@ -117,7 +117,7 @@ def _d_request(params):
     )
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 3), (3, 2), (4, 6)])
 def test_decode_fails_a_request_from_a_prefill_of_another_size_at_once(p_tp, d_tp, caplog):
     sched = _scheduler(d_tp)
     request = _d_request({**D_PARAMS, "remote_tp_size": p_tp})
@@ -216,8 +216,10 @@ def _deployment(prefill_tp: int, decode_tp: int) -> dict:
 def test_a_deployment_of_different_tp_sizes_is_refused_at_start_up():
     from splitserve.config import DeploymentError, parse_deployment
 
-    with pytest.raises(DeploymentError, match="prefill tensor parallel size 2 != decode"):
-        parse_deployment(_deployment(2, 1), "dep.yaml")
+    with pytest.raises(DeploymentError, match="prefill tensor parallel size 2, decode tensor"):
+        parse_deployment(_deployment(2, 3), "dep.yaml")
+    parse_deployment(_deployment(1, 2), "dep.yaml")  # one a multiple of the other: served
+    parse_deployment(_deployment(2, 1), "dep.yaml")
 
 
 def test_a_deployment_spaces_side_channels_by_tp_size():

@@ -253,3 +253,25 @@ def test_worker_stats_export_the_overlap_counters_as_deltas():
     worker.sender.stats.layers_posted_in_forward = 10
     data = worker.stats().data
     assert (data["layers_posted_in_forward"], data["layers_posted_at_step_end"]) == (4, 0)
+
+
+def test_worker_stats_export_each_forward_tail_once():
+    """P's forward tails (last layer hook -> forward's end) travel as samples: each one in
+    exactly one step's stats, aggregated by concatenation, summarized in ``reduce``."""
+    from splitserve.connectors.vllm.stats import TAIL
+    from splitserve.transfer.incoming import ReceiverStats
+    from splitserve.transfer.outgoing import SenderStats
+    from splitserve.transfer.side_channel import ChannelStats
+
+    worker = make_worker()
+    worker.sender.stats = SenderStats()
+    worker.receiver.stats = ReceiverStats()
+    worker.channel = SimpleNamespace(rejected=0, relayed=0, stats=ChannelStats())
+    worker.sender.stats.forward_tails_s.extend([0.02, 0.03])
+    first = worker.stats()
+    assert first.data[TAIL] == [0.02, 0.03]
+    assert worker.stats() is None  # drained: nothing new
+    worker.sender.stats.forward_tails_s.append(0.04)
+    merged = first.aggregate(worker.stats())
+    assert merged.data[TAIL] == [0.02, 0.03, 0.04]
+    assert merged.reduce()["avg forward tail (ms)"] == 30.0

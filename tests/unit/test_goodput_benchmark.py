@@ -173,3 +173,19 @@ def test_run_path_against_stand_in_engines(goodput, tmp_path, monkeypatch) -> No
         for s in servers:
             asyncio.run_coroutine_threadsafe(s.close(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_merge_joins_sweeps_and_recomputes_capacity(goodput) -> None:
+    def report(rates: dict[float, float], duration: float = 40.0) -> dict:
+        args = {"preset": "mid", "duration": duration, "seed": 18, "rates": list(rates)}
+        rows = [{"contender": "pd", "rate": r, "attainment": a} for r, a in rates.items()]
+        return {"slo": "s", "args": args, "rows": rows, "capacity": {}}
+
+    merged = goodput.merge([report({0.3: 1.0, 1.0: 0.2}), report({0.6: 0.95})])
+    assert merged["capacity"] == {"pd": 0.6} and merged["args"]["rates"] == [0.3, 0.6, 1.0]
+    # 0.6 below the goal caps the first sweep's 0.3 there; a rate measured twice is refused
+    assert goodput.merge([report({0.3: 1.0}), report({0.6: 0.5})])["capacity"] == {"pd": 0.3}
+    with pytest.raises(SystemExit):
+        goodput.merge([report({0.3: 1.0}), report({0.3: 1.0})])
+    with pytest.raises(SystemExit):
+        goodput.merge([report({0.3: 1.0}), report({0.6: 1.0}, duration=60.0)])

@@ -124,6 +124,66 @@ def test_summary_tables_and_verdict(vb) -> None:
     assert all(" of " in line for line in lines)
 
 
+def test_prediction_with_the_forward_tail(vb) -> None:
+    """The tail comes off the plain prediction (down to DONE's delivery, half the round trip),
+    also for a backlog; without a measured tail only the plain figure is there."""
+    s = vb.layer_slice_bytes(512, KV, L, BLOCK)
+    plain = vb.predict(L, s, 1e9, 0.001, 0.130)
+    assert "predicted_tail_s" not in plain
+    assert plain["bulk_s"] == pytest.approx(0.001 + L * s / 1e9)
+    hidden = vb.predict(L, s, 1e9, 0.001, 0.130, tail_s=0.004)
+    assert hidden["predicted_s"] == plain["predicted_s"]
+    assert hidden["predicted_tail_s"] == pytest.approx(plain["t_x_s"] - 0.004 + 0.001)
+    gone = vb.predict(L, s, 1e9, 0.001, 0.130, tail_s=0.5)
+    assert gone["predicted_tail_s"] == pytest.approx(0.001)  # only DONE's delivery is left
+    slow = vb.predict(L, s, 30e6, 0.0, 0.130, tail_s=0.03)
+    assert slow["predicted_tail_s"] == pytest.approx(slow["predicted_s"] - 0.03)
+
+
+def test_summary_with_tails_judges_both_predictions(vb) -> None:
+    """Rows that carry P's forward tail get the with-tail prediction, its ratio and verdict,
+    and the arithmetic bound against stock; the crossover is judged as without."""
+    rows, links = _rows()
+    for row in rows:
+        if row["kind"] in ("push", "pull") and row["flow"] == "transfer":
+            row["tail_s"] = 0.03
+    summary = vb.summarize(rows, links, L, KV, BLOCK)
+    points = {(p["kind"], p["rate"]): p for p in summary["points"]}
+    push = points[("push", "1000")]
+    # DONE: push's carrier WRITE (one layer of one block, 2 MiB) after the completions' way
+    # back; pull's message beside the READs, half the round trip
+    carrier = BLOCK * KV // L
+    assert push["tail_s"] == 0.03
+    assert push["done_s"] == pytest.approx(2 * 5e-5 + carrier / 120e6)
+    assert push["predicted_tail_s"] == pytest.approx(push["t_x_s"] - 0.03 + push["done_s"])
+    pull = points[("pull", "1000")]
+    assert pull["done_s"] == pytest.approx(5e-5)
+    assert pull["predicted_tail_s"] == pytest.approx(pull["t_x_s"] - 0.03 + 5e-5)
+    assert push["ratio_tail"] == pytest.approx(0.07 / push["predicted_tail_s"])
+    assert push["within_tail"] is vb.within(0.07, push["predicted_tail_s"])
+    cross = {c["kind"]: c for c in summary["crossovers"]}
+    assert cross["push"]["tail_s"] == 0.03
+    # ours <= 0.25x stock needs t_x <= (15 t_c + t_tail) / 12: at that goodput the bound is 0.25
+    target = cross["push"]["stock_target_bps"]
+    c = cross["push"]
+    at = vb.predict(L, c["slice_bytes"], target, c["fixed_s"], c["t_c_s"], 0.03, 0.0)
+    assert at["predicted_tail_s"] / (L * at["t_x_s"]) == pytest.approx(0.25)
+    plain_cross = vb.summarize(*_rows(), L, KV, BLOCK)["crossovers"][0]
+    assert cross["push"]["measured_bps"] == plain_cross["measured_bps"]
+    stock = {(v["kind"], v["rate"]): v for v in summary["vs_stock"]}
+    slow = points[("push", "250")]
+    assert stock[("push", "250")]["bound"] == pytest.approx(
+        slow["predicted_tail_s"] / slow["bulk_s"]
+    )
+    table = vb.markdown(summary)
+    assert "| with tail ms |" in table and "| 30.0 |" in table
+    lines = vb.verdict(summary)
+    assert lines[3].startswith("exposed within 25% (or 2 ms) of predicted with the tail: ")
+    assert len(lines) == 4
+    plain = vb.verdict(vb.summarize(*_rows(), L, KV, BLOCK))
+    assert len(plain) == 3  # no tail measured: no with-tail verdict
+
+
 def test_plot_without_matplotlib_is_skipped(vb, tmp_path) -> None:
     rows, links = _rows()
     summary = vb.summarize(rows, links, L, KV, BLOCK)

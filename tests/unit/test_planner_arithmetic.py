@@ -137,6 +137,26 @@ def test_streaming_exposes_one_slice_when_transfer_keeps_up():
         assert t_x <= exposed <= 16 * t_x + 1e-12
 
 
+def test_streaming_tail_hides_part_of_the_last_slice_and_done_adds_its_delivery():
+    """``max(0, t_x + (L - 1) max(0, t_x - t_c) - t_tail) + t_done``; both 0 is the plain
+    figure (what ``splitserve plan`` prints unless given them)."""
+    for t_x, t_c in [(0.001, 0.002), (0.003, 0.002)]:
+        assert exposed_streaming_seconds(80, t_x, t_c, 0.0, 0.0) == exposed_streaming_seconds(
+            80, t_x, t_c
+        )
+    # link keeps up: one slice, of which the tail hides 0.4 ms; DONE adds 0.1 ms
+    assert exposed_streaming_seconds(80, 0.001, 0.002, 0.0004, 0.0001) == pytest.approx(0.0007)
+    # a tail longer than the slice hides all of it: only DONE's delivery is left
+    assert exposed_streaming_seconds(80, 0.001, 0.002, 0.005, 0.0001) == pytest.approx(0.0001)
+    # a backlog: the tail comes off the whole of it
+    backlog = 0.003 + 79 * 0.001
+    assert exposed_streaming_seconds(80, 0.003, 0.002, 0.002, 0.0) == pytest.approx(backlog - 0.002)
+    link = Link(name="x", bytes_per_s=1e9, per_transfer_s=0.0)
+    h = handoff(link, 10, 2e6, 1e-2, forward_tail_s=1e-3, done_s=5e-4)
+    assert h.exposed_streaming_s == pytest.approx(2e-3 - 1e-3 + 5e-4)
+    assert handoff(link, 10, 2e6, 1e-2).exposed_streaming_s == pytest.approx(2e-3)
+
+
 def test_handoff_over_parallel_links_and_fixed_cost():
     link = Link(name="x", bytes_per_s=1e9, per_transfer_s=1e-3)
     h = handoff(

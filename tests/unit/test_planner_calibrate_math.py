@@ -54,3 +54,15 @@ def test_handoff_results_rows_and_errors(tmp_path):
         check_handoff_results(path, model, "fp32", link)
     with pytest.raises(PlannerInputError, match="--handoff-results"):
         check_handoff_results(tmp_path / "missing.json", model, "fp32", link)
+
+
+def test_torch_threads_set_for_the_block_and_restored():
+    torch = pytest.importorskip("torch")
+    from splitserve.planner.calibrate import _torch_threads
+
+    before = torch.get_num_threads()
+    with _torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with _torch_threads(None):
+        assert torch.get_num_threads() == before

@@ -145,12 +145,15 @@ def test_timeline_off_logs_nothing_and_on_one_line_per_chunk(caplog):
     assert on.forward_rooms == []
     on.loaded(7)
     on.decode_batch(reqs)
+    on.decode_ended()
     on.decode_batch(reqs)  # the second decode step logs nothing
+    on.decode_ended()
     events = [parse_line(r.getMessage()) for r in caplog.records]
     assert [(e[0], e[1]) for e in events] == [
         ("7", "p_forward_start"),
         ("7", "p_forward_end"),
         ("7", "d_first_decode"),
+        ("7", "d_first_decode_end"),
     ]
     assert events[0][3] == {"tokens": "0-64"} and events[1][3] == {"last_layer": "123.500000"}
     assert {e[1] for e in events} <= set(EVENTS)
@@ -241,6 +244,7 @@ def test_timeline_script_joins_two_logs_into_one_row_per_request(tmp_path, capsy
         ("9", "d_registered", t + 0.020, {"pages": 2}),
         ("9", "d_done", t + 0.255, {"handoff": 0.005}),
         ("9", "d_first_decode", t + 0.300, {}),
+        ("9", "d_first_decode_end", t + 0.340, {}),
     ]
     p_log, d_log = tmp_path / "p.log", tmp_path / "d.log"
     for path, events in ((p_log, p_events), (d_log, d_events)):
@@ -257,6 +261,8 @@ def test_timeline_script_joins_two_logs_into_one_row_per_request(tmp_path, capsy
     assert row["gaps"] == pytest.approx(20) and row["queue"] == pytest.approx(10)
     assert row["wait_reg"] == pytest.approx(20) and row["tail"] == pytest.approx(5)
     assert row["to_decode"] == pytest.approx(45) and row["handoff"] == pytest.approx(5)
+    assert row["p_result"] == pytest.approx(1) and row["to_done"] == pytest.approx(4)
+    assert row["decode1"] == pytest.approx(40)
     assert row["last_layer"] == pytest.approx(249)
     out = capsys.readouterr().out
     assert out.startswith("| room |") and "| median |" in out

@@ -10,6 +10,7 @@ connections in CI (stop 28)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import zmq
@@ -47,6 +48,17 @@ def _context_alive(ctx: zmq.Context) -> bool:
         dealer.close(0)
 
 
+def _delivered_again(dealer: zmq.Socket, peer: zmq.Socket) -> bool:
+    """``dealer`` reaches ``peer`` within the bound, resending every 100 ms."""
+    end = time.monotonic() + BOUND_MS / 1e3
+    while time.monotonic() < end:
+        with contextlib.suppress(zmq.Again):
+            dealer.send(b"again", zmq.NOBLOCK)
+        if peer.poll(100):
+            return True
+    return False
+
+
 def test_a_stopped_monitor_leaves_the_context_working_when_the_peer_comes_back() -> None:
     ctx, peer_ctx = zmq.Context(), zmq.Context()
     try:
@@ -68,8 +80,10 @@ def test_a_stopped_monitor_leaves_the_context_working_when_the_peer_comes_back()
         peer = peer_ctx.socket(zmq.ROUTER)
         peer.setsockopt(zmq.LINGER, 0)
         _bind_again(peer, port)
-        dealer.send(b"again")  # queued until the reconnection: the events happen now
-        assert peer.poll(BOUND_MS), "the dealer never reconnected: its I/O thread is blocked"
+        # The events happen now, with the reconnection. Sent again until it arrives: a message
+        # sent before the dealer's I/O thread saw the old connection go is written to that dead
+        # connection and lost (ZMQ drops in-flight messages on a reconnect; CI met it 1 in ~100).
+        assert _delivered_again(dealer, peer), "the dealer never reconnected: I/O thread blocked"
 
         assert _context_alive(ctx), "the context's I/O thread is blocked on a monitor event"
         dealer.close(0)

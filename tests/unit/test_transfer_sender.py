@@ -203,6 +203,55 @@ def test_layers_posted_in_the_forward_and_at_step_end_are_counted_apart(directio
     )
 
 
+class _StepClock:
+    """``time.perf_counter`` for the sender: a value the test sets."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_the_forward_tail_is_the_last_hook_to_the_end_of_the_prompts_forward(
+    direction, monkeypatch
+):
+    """One tail per request whose prompt a step completed: from the step's last layer hook to
+    ``end_step``. A step that leaves the prompt incomplete, or one whose hook never fired (the
+    layers went out at the step's end), records none."""
+    clock = _StepClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    sender, agent, channel = make_sender(direction=direction)
+    sender.add_request("t", 2 * B)
+    sender.add_request("u", B)
+    register(channel, "t", [5, 6])
+    register(channel, "u", [7])
+    # step 1: "t" half computed, "u" complete: one tail ("u"), from layer 2's hook
+    sender.begin_step([StepUpdate("t", [1, 2], B), StepUpdate("u", [3], B)])
+    for layer in range(LAYERS):
+        clock.now = 1.0 + layer
+        sender.layer_done(layer)
+    clock.now = 3.25
+    sender.end_step()
+    assert list(sender.stats.forward_tails_s) == [0.25]
+    # step 2: completes "t", the hook fires for layers 0 and 1 only (layer 2 caught up)
+    sender.begin_step([StepUpdate("t", [1, 2], 2 * B)])
+    clock.now = 10.0
+    sender.layer_done(0)
+    clock.now = 10.5
+    sender.layer_done(1)
+    clock.now = 11.0
+    sender.end_step()
+    assert list(sender.stats.forward_tails_s) == [0.25, 0.5]
+    # a prompt-completing step with no hook at all: no tail
+    sender.add_request("v", B)
+    register(channel, "v", [8])
+    sender.begin_step([StepUpdate("v", [4], B)])
+    sender.end_step()
+    assert list(sender.stats.forward_tails_s) == [0.25, 0.5]
+
+
 def test_a_catch_up_step_with_nothing_left_is_not_counted_at_step_end():
     """SGLang's ``send`` opens a step per chunk after a forward whose hook posted every layer:
     ``end_step`` then finds nothing to post, which is no bulk transfer."""

@@ -28,7 +28,9 @@ failure, on either side, goes through ``SplitserveKVManager._fail``.
 
 Between polls: while the scheduler only waits on transfers (nothing to run, a request in its
 disaggregation queues) SGLang busy-polls; the manager makes it nap up to
-``SPLITSERVE_SGLANG_IDLE_NAP_MS`` instead (``splitserve.connectors.sglang.idle``).
+``SPLITSERVE_SGLANG_IDLE_NAP_MS`` instead (``splitserve.connectors.sglang.idle``), checking
+every ``SPLITSERVE_SGLANG_IDLE_CHECK_MS`` whether a drive of the transport changed a room's
+status (``idle_check``), so DONE and REGISTER end the nap.
 
 Stats: with SGLang's ``--enable-metrics`` the transport's counters and D's exposed handoff go to
 the server's ``/metrics`` (``splitserve.connectors.sglang.stats``), published when a transfer
@@ -108,6 +110,8 @@ class SplitserveKVManager(PrefillManagerMixin, DecodeManagerMixin, CommonKVManag
         self.layers_hooked = 0  # layer stores seen by the layer-wise hook (P)
         self.timeline = Timeline(self.settings.timeline)
         self.nap_s = self.settings.idle_nap_ms / 1e3  # idle.py: between polls while waiting
+        self.check_s = self.settings.idle_check_ms / 1e3  # idle.py: a nap's slices
+        self.status_changes = 0  # update_status calls: what ends a nap early (idle_check)
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         self.metrics = open_metrics(server_args, prefill=prefill)
         self.published = 0.0  # monotonic time of the last metrics publication
@@ -160,6 +164,18 @@ class SplitserveKVManager(PrefillManagerMixin, DecodeManagerMixin, CommonKVManag
     def _set_status(self, transfer_id: str, status: KVPoll) -> None:
         self.update_status(room_of(transfer_id), status)
 
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        self.status_changes += 1
+        return super().update_status(bootstrap_room, status)
+
+    def idle_check(self) -> bool:
+        """Between a nap's slices (``idle``): drive the transport; whether it changed a room's
+        status (DONE, D's REGISTER, a transfer settled or failed), i.e. SGLang's loop has
+        something to do now."""
+        before = self.status_changes
+        self.drive()
+        return self.status_changes != before
+
     def drive(self) -> None:
         """Read control messages and completions; conclude the transfers they settle."""
         with self.lock:
@@ -203,6 +219,8 @@ class SplitserveKVManager(PrefillManagerMixin, DecodeManagerMixin, CommonKVManag
                 self.sender.end_step()
         if self.timeline.forward_rooms:
             self.timeline.forward_ended(layerwise=opened)
+        if self.timeline.decode_rooms:
+            self.timeline.decode_ended()
 
     def close(self) -> None:
         if layerwise.ACTIVE is self:

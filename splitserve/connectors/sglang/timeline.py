@@ -19,8 +19,8 @@ optional ``key=value`` fields. Events, in the order a request meets them (``EVEN
 - D: ``d_request`` (its receiver made), ``d_bootstrapped`` (P's side channel known from the
   bootstrap server), ``d_registered`` (D's KV allocated; its REGISTER, with HELLO first on a new
   connection, sent), ``d_done`` / ``d_failed`` (the poll saw DONE or the failure;
-  ``handoff=`` the exposed handoff), ``d_first_decode`` (the first decode batch holding it
-  starts).
+  ``handoff=`` the exposed handoff), ``d_first_decode`` / ``d_first_decode_end`` (the first
+  decode batch holding it starts / its forward returns).
 
 Invariants: a few lines per request and one per prefill chunk, never one per layer; a disabled
 timeline costs one attribute test per event.
@@ -50,6 +50,7 @@ EVENTS = (
     "d_done",
     "d_failed",
     "d_first_decode",
+    "d_first_decode_end",
 )
 LINE = re.compile(PREFIX + r" room=(\S+) event=(\w+) wall=([0-9.]+)((?: \w+=\S+)*)")
 
@@ -63,6 +64,7 @@ class Timeline:
         self.forward_rooms: list[int] = []  # P: rooms of the running prefill forward
         self.last_layer_wall = 0.0  # P: wall clock of the last layer store hooked
         self.awaiting_decode: set[int] = set()  # D: loaded, first decode step not seen
+        self.decode_rooms: list[int] = []  # D: rooms whose first decode step is running
 
     def event(self, room: object, name: str, wall: float | None = None, **fields: object) -> None:
         if not self.enabled:
@@ -100,7 +102,14 @@ class Timeline:
             room = getattr(req, "bootstrap_room", None)
             if room in self.awaiting_decode:
                 self.awaiting_decode.discard(room)
+                self.decode_rooms.append(room)
                 self.event(room, "d_first_decode", wall)
+
+    def decode_ended(self) -> None:
+        """D: the forward of the batch ``decode_batch`` saw returned."""
+        wall, rooms, self.decode_rooms = time.time(), self.decode_rooms, []
+        for room in rooms:
+            self.event(room, "d_first_decode_end", wall)
 
 
 def format_event(room: object, name: str, wall: float, fields: dict[str, object]) -> str:

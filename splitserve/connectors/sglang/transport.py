@@ -77,6 +77,7 @@ class BackendSettings(BaseModel):
     layerwise: bool = True
     timeline: bool = False
     idle_nap_ms: float = Field(1.0, ge=0, le=100)  # connectors/sglang/idle.py; 0: SGLang's spin
+    idle_check_ms: float = Field(0.2, ge=0, le=100)  # idle.py: our news checked this often in a nap
     ucx_params: dict[str, str] = Field(default_factory=dict)
     nixl_backends: list[NixlBackend] | None = None  # JSON list, in order of preference
 

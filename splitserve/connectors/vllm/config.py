@@ -67,6 +67,22 @@ class SplitserveConnectorConfig(BaseModel):
         "ANNOUNCEs, D READs) or auto (per receiver: pull on host memory over UCX cma, i.e. "
         "a receiver on this host, else push)",
     )
+    prefill_tp_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="tensor parallel size of the prefill servers this server (as D) loads from "
+        "when the request's params do not say it (the concurrent flow); default: this server's "
+        "own. splitserve up sets it from the deployment",
+    )
+    decode_tp_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="tensor parallel size of the decode servers this server (as P) feeds: a "
+        "multiple of its own (each rank then feeds decode_tp_size / tp ranks); default: this "
+        "server's own. splitserve up sets it from the deployment",
+    )
     ucx_backend_params: dict[str, str] = Field(
         default_factory=dict, description="extra UCX backend init parameters for NIXL"
     )

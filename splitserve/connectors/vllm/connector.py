@@ -18,6 +18,7 @@ Select it with ``--kv-transfer-config '{"kv_connector": "SplitserveConnector", "
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from splitserve.connectors.vllm.config import parse_connector_config
 from splitserve.connectors.vllm.metadata import SplitserveConnectorMetadata
-from splitserve.connectors.vllm.ranks import Ranks, check_parallel
+from splitserve.connectors.vllm.ranks import check_parallel
 from splitserve.connectors.vllm.scheduler import SplitserveScheduler
 from splitserve.connectors.vllm.stats import SplitserveKVConnectorStats, SplitservePromMetrics
 
@@ -45,6 +46,15 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+def _total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads over all ranks (0 when vLLM cannot say, e.g. no model config): the
+    layouts describe each rank's share, so a peer of another TP size can address it."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):  # no model config, or a model without heads
+        return 0
 
 
 def _route_logs_to_vllm() -> None:
@@ -89,6 +99,9 @@ class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
             decode_context_parallel=getattr(parallel, "decode_context_parallel_size", 1),
             prefill_context_parallel=getattr(parallel, "prefill_context_parallel_size", 1),
             side_channel_port=self.config.side_channel_port,
+            total_kv_heads=_total_kv_heads(vllm_config),
+            prefill_tp_size=self.config.prefill_tp_size,
+            decode_tp_size=self.config.decode_tp_size,
         )
         self._scheduler: SplitserveScheduler | None = None
         self._worker = None
@@ -100,7 +113,7 @@ class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
             if ranks.size > 1:  # each worker process is one rank (its own agent and port)
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-                ranks = Ranks(ranks.size, get_tensor_model_parallel_rank())
+                ranks = dataclasses.replace(ranks, rank=get_tensor_model_parallel_rank())
             self._worker = SplitserveWorker(
                 self.config,
                 str(transfer_config.engine_id),

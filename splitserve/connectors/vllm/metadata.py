@@ -28,6 +28,7 @@ class ProduceStart:
     req_id: str
     transfer_id: str
     num_prompt_tokens: int
+    decode_tp_size: int | None = None  # D's size when the params say it (else the setting)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class ReceiveStart:
     block_ids: list[int]
     token_offset: int
     first_token: bool = False  # ask P for its first output token with DONE
+    remote_tp_size: int | None = None  # P's tensor parallel size (None: the same as ours)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class ReceiveRelease:
     transfer_id: str
     side_channel_host: str
     side_channel_port: int
+    remote_tp_size: int | None = None  # P's tensor parallel size (None: the same as ours)
 
 
 @dataclass

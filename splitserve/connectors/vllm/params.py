@@ -48,6 +48,14 @@ class ProduceParams:
     """P side: compute the prompt and hand its KV to a D."""
 
     transfer_id: str
+    decode_tp_size: int | None = None  # D's tensor parallel size, when the params say it
+
+
+def _tp_size(params: dict[str, Any], key: str) -> int | None:
+    tp = params.get(key)
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 0 < tp <= 1024):
+        raise KVParamsError(key, f"{key} must be an int in 1..1024, got {_shown(tp)}")
+    return tp
 
 
 def _shown(value: Any) -> str:
@@ -105,11 +113,7 @@ def receive_params(params: Any, allowlist: PeerAllowlist | None = None) -> Recei
             "remote_port", f"remote_port must be an int in 1..65535, got {_shown(port)}"
         )
     first = _flag(params, "first_token_from_prefill")
-    tp = params.get("remote_tp_size")
-    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 0 < tp <= 1024):
-        raise KVParamsError(
-            "remote_tp_size", f"remote_tp_size must be an int in 1..1024, got {_shown(tp)}"
-        )
+    tp = _tp_size(params, "remote_tp_size")
     return ReceiveParams(_transfer_id(params, required=True), host, port, first, tp)
 
 
@@ -119,7 +123,7 @@ def produce_params(params: Any) -> ProduceParams | None:
     if not _flag(params, "do_remote_decode"):
         return None
     assert params is not None
-    return ProduceParams(_transfer_id(params, required=False))
+    return ProduceParams(_transfer_id(params, required=False), _tp_size(params, "decode_tp_size"))
 
 
 def check_params(params: Any, allowlist: PeerAllowlist | None = None) -> None:

@@ -24,7 +24,10 @@ prompt token. A load without its token, or a request without room for a second t
 Tensor parallel: one scheduler half for all ranks (vLLM has one engine core). Each rank's
 worker gets the same metadata and acts for its rank (``ranks.py``); vLLM reports a request
 finished only when every rank did, failed when any did. P's answer carries its size
-(``remote_tp_size``); a D whose size differs fails such a request at once, naming both sizes.
+(``remote_tp_size``; else D's ``prefill_tp_size`` setting, else D's own size); a D that cannot
+load from that size (``transfer.tp.tp_mismatch``: D's size must be a multiple of P's) fails
+such a request at once, naming both sizes. The workers pass P's size on (``ReceiveStart``):
+each D rank dials the P rank holding its heads.
 FIRST_TOKEN goes to every rank's side channel (each rank's D waits for it).
 
 P (``do_remote_decode``): the request is announced to the worker with ``ProduceStart``; each
@@ -74,9 +77,9 @@ from splitserve.connectors.vllm.params import (
     tokens_to_receive,
 )
 from splitserve.connectors.vllm.ranks import Ranks
-from splitserve.transfer.layout import tp_mismatch
 from splitserve.transfer.messages import FirstToken
 from splitserve.transfer.side_channel import PeerRef, SideChannel
+from splitserve.transfer.tp import tp_mismatch
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -163,6 +166,11 @@ class SplitserveScheduler:
         needed = wanted - num_computed_tokens
         return (needed, True) if needed > 0 else (0, False)
 
+    def _prefill_tp(self, params: ReceiveParams) -> int:
+        """P's tensor parallel size: its params' word (sequential flow), else the configured
+        ``prefill_tp_size`` (concurrent flow: the proxy does not know it), else ours."""
+        return params.remote_tp_size or self.config.prefill_tp_size or self.ranks.size
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -177,12 +185,10 @@ class SplitserveScheduler:
         tracked = _Tracked(Phase.LOADED, request, params.transfer_id, params)
         self._requests[req_id] = tracked
         first = params.first_token_from_prefill
-        mismatch = None
-        if params.remote_tp_size is not None:
-            mismatch = tp_mismatch(params.remote_tp_size, self.ranks.size)
+        mismatch = tp_mismatch(self._prefill_tp(params), self.ranks.size)
         if mismatch is not None:
             logger.error("request %s: failing it: %s", req_id, mismatch)
-            self._meta.receive_release.append(_release(params))
+            self._meta.receive_release.append(_release(params, self._prefill_tp(params)))
             self._meta.receive_fail.append(req_id)
             return
         if first and (request.prompt_token_ids is None or request.max_tokens < 2):
@@ -194,12 +200,12 @@ class SplitserveScheduler:
                 req_id,
                 request.max_tokens,
             )
-            self._meta.receive_release.append(_release(params))
+            self._meta.receive_release.append(_release(params, self._prefill_tp(params)))
             self._meta.receive_fail.append(req_id)
             return
         if num_external_tokens <= 0:
             # Nothing to load (full local hit, or a 1-token prompt): let P free now.
-            self._meta.receive_release.append(_release(params))
+            self._meta.receive_release.append(_release(params, self._prefill_tp(params)))
             return
         local_tokens = tokens_to_receive(request.num_prompt_tokens, first) - num_external_tokens
         logical = blocks_to_receive(request.num_prompt_tokens, local_tokens, self.block_size, first)
@@ -219,6 +225,7 @@ class SplitserveScheduler:
                 block_ids=block_ids[logical.start : logical.stop],
                 token_offset=local_tokens,
                 first_token=first,
+                remote_tp_size=self._prefill_tp(params),
             )
         )
 
@@ -241,7 +248,9 @@ class SplitserveScheduler:
             return False
         self._requests[req_id] = _Tracked(Phase.PRODUCING, request, params.transfer_id)
         self._meta.produce_start.append(
-            ProduceStart(req_id, params.transfer_id, request.num_prompt_tokens)
+            ProduceStart(
+                req_id, params.transfer_id, request.num_prompt_tokens, params.decode_tp_size
+            )
         )
         return True
 
@@ -297,7 +306,7 @@ class SplitserveScheduler:
             self._requests.pop(req_id, None)
             if params is not None:
                 # A D request that ended before it was ever allocated: let P free its blocks.
-                self._meta.receive_release.append(_release(params))
+                self._meta.receive_release.append(_release(params, self._prefill_tp(params)))
             return False, None
         assert tracked is not None and tracked.transfer_id is not None
         transfer_id = tracked.transfer_id
@@ -393,5 +402,5 @@ class SplitserveScheduler:
         return any(tracked.phase in _HOLDING for tracked in self._requests.values())
 
 
-def _release(params: ReceiveParams) -> ReceiveRelease:
-    return ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port)
+def _release(params: ReceiveParams, prefill_tp: int) -> ReceiveRelease:
+    return ReceiveRelease(params.transfer_id, params.remote_host, params.remote_port, prefill_tp)

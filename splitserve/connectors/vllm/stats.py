@@ -26,6 +26,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from splitserve.connectors.counters import COUNTERS
 
 HANDOFF = "exposed_handoff_s"
+TAIL = "forward_tail_s"  # P: last layer hook -> forward's end, per request (SenderStats)
+SAMPLES = (HANDOFF, TAIL)
 
 
 @dataclass
@@ -36,12 +38,14 @@ class SplitserveKVConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         self.data = {name: 0 for name in COUNTERS}
-        self.data[HANDOFF] = []
+        for name in SAMPLES:
+            self.data[name] = []
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name in COUNTERS:
             self.data[name] = self.data.get(name, 0) + other.data.get(name, 0)
-        self.data[HANDOFF] = list(self.data.get(HANDOFF, [])) + list(other.data.get(HANDOFF, []))
+        for name in SAMPLES:
+            self.data[name] = list(self.data.get(name, [])) + list(other.data.get(name, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -51,10 +55,13 @@ class SplitserveKVConnectorStats(KVConnectorStats):
         if handoffs:
             out["avg exposed handoff (ms)"] = round(1e3 * sum(handoffs) / len(handoffs), 3)
             out["max exposed handoff (ms)"] = round(1e3 * max(handoffs), 3)
+        tails = self.data.get(TAIL, [])
+        if tails:
+            out["avg forward tail (ms)"] = round(1e3 * sum(tails) / len(tails), 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name) for name in COUNTERS) and not self.data.get(HANDOFF)
+        return not any(self.data.get(name) for name in (*COUNTERS, *SAMPLES))
 
 
 class SplitservePromMetrics(KVConnectorPromMetrics):
@@ -80,6 +87,15 @@ class SplitservePromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames,
         )
         self.handoff = create_metric_per_engine(handoff, per_engine_labelvalues)
+        tail = self._histogram_cls(
+            name="vllm:splitserve_forward_tail_seconds",
+            documentation="Per request on the prefill side: from the last layer's hook (its KV "
+            "slice posted) to the end of the forward that completed the prompt (where the exposed "
+            "handoff starts); the last slice moves meanwhile",
+            buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0],
+            labelnames=labelnames,
+        )
+        self.tail = create_metric_per_engine(tail, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name in COUNTERS:
@@ -88,3 +104,5 @@ class SplitservePromMetrics(KVConnectorPromMetrics):
                 self.counters[name][engine_idx].inc(value)
         for seconds in transfer_stats_data.get(HANDOFF, []):
             self.handoff[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get(TAIL, []):
+            self.tail[engine_idx].observe(seconds)

@@ -10,7 +10,12 @@ Per step (vLLM's order): ``bind`` (metadata: starts, ends, block tables) -> forw
 ``save_kv_layer`` after each attention layer (post that layer's completed blocks) ->
 ``wait_for_save`` (close the step) -> ``get_transfer_results`` (poll both halves) ->
 ``take_worker_meta`` (P's first output tokens of loads that completed in this step, for the
-scheduler half).
+scheduler half). Between steps: vLLM steps only while a request runs or holds blocks, so an
+idle P would read a REGISTER, ABORT or HELLO only with its next request (a D that registered
+after P's lease expired then waited its whole ``done_timeout_s``: issue #17's P TP 2 -> D TP 1
+hang). A daemon thread (the idle drive, ``_drive_idle``) polls the sender once no step ran for
+``IDLE_DRIVE_S``, under the worker's lock and never inside a step (``bind`` ..
+``get_transfer_results``); what it releases goes out with the next ``get_transfer_results``.
 
 Device paths: on host memory (CPU) a layer's KV is written when its attention op returns, so
 ``save_kv_layer`` posts at once. On a GPU the attention kernels are asynchronous: the layer's
@@ -22,9 +27,13 @@ on our machines).
 
 Tensor parallel: vLLM runs one worker per rank, each with this object; every rank gets the same
 metadata (the same block ids: one block table for all ranks) and moves its own KV heads with
-the same rank of the peer (D dials ``remote_port + rank``). Each rank reports its own settled
-transfers; vLLM's ``KVOutputAggregator`` reports a request finished only once every rank did
-and failed if any rank failed it, so nothing here counts ranks.
+the peer rank(s) that hold them (``ranks.source_ranks``: the same rank at equal sizes). At
+other sizes every (P rank, D rank) pair moves its own share of the request (``ranks.share_id``):
+D wider, a P rank feeds several D ranks, keeps one sender transfer per share and reports the
+request sent once the last share settled; P wider, a D rank loads from several P ranks and
+reports the load once every share settled, failed if any failed (aborting the others). Each
+rank reports its own settled transfers; vLLM's ``KVOutputAggregator`` reports a request
+finished only once every rank did and failed if any rank failed it.
 
 State: one ``_Transfer`` record per transfer, keyed by ``(Side, transfer_id)`` (the ids the
 sender and receiver report back; the side because a ``kv_both`` server may be P and D of one
@@ -37,7 +46,9 @@ Invariants:
   only for requests the scheduler half told us about.
 - A failed load is reported in ``failed_recving`` (and ``finished_recving``), so vLLM applies
   ``kv_load_failure_policy`` and frees or recomputes; nothing waits forever: every transfer
-  has a deadline (lease on P, ``done_timeout_s`` on D).
+  has a deadline (lease on P, ``done_timeout_s`` on D), and an idle P still answers D.
+- The sender is driven by one thread at a time: the engine's inside a step, the idle drive
+  outside one (both under ``_lock``; the GPU poster only inside a step).
 """
 
 from __future__ import annotations
@@ -47,18 +58,24 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from splitserve.connectors.vllm.config import SplitserveConnectorConfig
+from splitserve.connectors.vllm.config import ConnectorConfigError, SplitserveConnectorConfig
 from splitserve.connectors.vllm.metadata import (
     SplitserveConnectorMetadata,
     SplitserveWorkerMetadata,
 )
-from splitserve.connectors.vllm.ranks import Ranks
-from splitserve.connectors.vllm.stats import COUNTERS, HANDOFF, SplitserveKVConnectorStats
+from splitserve.connectors.vllm.ranks import Ranks, fed_ranks, share_id, source_ranks
+from splitserve.connectors.vllm.stats import (
+    COUNTERS,
+    HANDOFF,
+    TAIL,
+    SplitserveKVConnectorStats,
+)
 from splitserve.transfer import strategy
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layer_poster import LayerPoster, cuda_device
@@ -66,11 +83,16 @@ from splitserve.transfer.layout import kv_layout_from_tensors
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender, StepUpdate
 from splitserve.transfer.side_channel import SideChannel
+from splitserve.transfer.tp import heads_of_rank, tp_mismatch
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+# An engine that has not stepped for this long (idle: nothing running, nothing held) has its
+# sender driven by the idle drive (``SplitserveWorker._drive_idle``).
+IDLE_DRIVE_S = 0.25
 
 
 class Side(Enum):
@@ -91,6 +113,17 @@ class _Transfer:
     req_id: str
     phase: Phase
     report_sending: bool = False  # P, ENDED: vLLM holds the blocks, report finished_sending
+    group: str | None = None  # a share of this transfer id (other TP sizes: ``ranks.share_id``)
+
+
+@dataclass
+class _Load:
+    """D: a request loaded in shares from several P ranks (P wider), or one share (D wider):
+    complete once every share settled, failed if any failed."""
+
+    left: set[str]
+    failure: str | None = None
+    first_token: int | None = None
 
 
 @dataclass
@@ -128,7 +161,23 @@ class SplitserveWorker:
         self._transfers: dict[tuple[Side, str], _Transfer] = {}
         self._outbox = _Outbox()
         self._stepping = False
+        # bind .. get_transfer_results: the engine's thread drives sender and receiver; outside
+        # a step, past ``idle_drive_s`` since the last, the idle drive polls the sender
+        self._in_step = False
+        self.idle_drive_s = IDLE_DRIVE_S
+        self._clock = time.monotonic
+        self._last_step_end = self._clock()
+        self._idle_released: set[str] = set()  # sender ids the idle drive released
+        self._idle_stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
         self._last_counts: dict[str, int] = {}
+        self._decode_tp = config.decode_tp_size or self.ranks.size
+        # Other TP sizes (``ranks.share_id``): on P, a transfer id's shares this rank sends
+        # that are not released yet; on D, a transfer id's shares and its load across them
+        self._produce_shares: dict[str, set[str]] = {}
+        self._produce_ids: dict[str, list[str]] = {}  # transfer id -> its shares here
+        self._receive_shares: dict[str, list[str]] = {}
+        self._loads: dict[str, _Load] = {}
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -141,8 +190,22 @@ class SplitserveWorker:
         self._layer_index = {name: i for i, name in enumerate(names)}
         ranks = self.ranks
         layout = kv_layout_from_tensors(
-            tensors, self.num_blocks, self.block_size, ranks.size, ranks.rank
+            tensors,
+            self.num_blocks,
+            self.block_size,
+            ranks.size,
+            ranks.rank,
+            head_dim=self._head_dim(tensors),
+            total_kv_heads=ranks.total_kv_heads,
         )
+        other_sizes = {self.config.prefill_tp_size, self.config.decode_tp_size} - {None, ranks.size}
+        if other_sizes and not layout.kv_heads:
+            raise ConnectorConfigError(
+                f"SplitserveConnector: peers of tensor parallel size {sorted(other_sizes)} (this "
+                f"server: {ranks.size}) need each block's KV heads as contiguous sub-runs (heads "
+                "outermost inside a block, as vLLM CPU's layout has them); this attention "
+                "backend's KV layout does not (equal sizes only)"
+            )
         transport = strategy.transport_of()
         direction = strategy.effective(transport, layout.memory, self.config.direction)
         preferred = strategy.choose(transport, layout.memory)
@@ -175,6 +238,10 @@ class SplitserveWorker:
             self._gpu_poster = LayerPoster(
                 self.sender.layer_done, self._lock, on_start=cuda_device(layout.device_id)
             )
+        self._idle_thread = threading.Thread(
+            target=self._idle_loop, name=f"splitserve-idle-r{ranks.rank}", daemon=True
+        )
+        self._idle_thread.start()
         logger.info(
             "SplitserveConnector worker (tensor parallel rank %d of %d): %d layers, %d blocks of "
             "%d tokens (%d bytes/block all layers), %s memory, side channel %s:%s (%s), "
@@ -194,6 +261,39 @@ class SplitserveWorker:
             "" if direction is preferred else f" (set by 'direction'; {preferred.value} preferred)",
         )
 
+    def _head_dim(self, tensors: list[torch.Tensor]) -> int | None:
+        """vLLM's per-layer KV view is [B, H, N, C] (``allocate_kv_cache``): dim 1, when it
+        holds this rank's share of the heads; else the heads stay undescribed (equal TP sizes
+        only). The strides decide whether a head range is a sub-run (``layout``)."""
+        total = self.ranks.total_kv_heads
+        if not total or any(t.dim() != 4 for t in tensors):
+            return None
+        share = len(heads_of_rank(total, self.ranks.size, self.ranks.rank))
+        return 1 if all(t.shape[1] == share for t in tensors) else None
+
+    def _shares(self, transfer_id: str, decode_tp: int | None = None) -> list[str]:
+        """The transfer ids this P rank sends a request's KV under, for a D of ``decode_tp``
+        (the params' word, else the setting ``decode_tp_size``, else ours): the id itself at
+        equal sizes, else one share per decode rank it feeds (none for a rank that only
+        repeats replicated heads). Fixed at ``ProduceStart``: later steps use the same."""
+        known = self._produce_ids.get(transfer_id)
+        if known is not None:
+            return known
+        size, decode, rank = self.ranks.size, decode_tp or self._decode_tp, self.ranks.rank
+        if decode == size or tp_mismatch(size, decode) is not None:
+            return [transfer_id]
+        fed = fed_ranks(size, decode, rank, self.ranks.total_kv_heads)
+        return [share_id(transfer_id, size, decode, j, rank) for j in fed]
+
+    def _sources(self, transfer_id: str, prefill_tp: int | None) -> list[tuple[int, str]]:
+        """(P rank, the transfer id registered there) for each share this D rank loads."""
+        size, rank = self.ranks.size, self.ranks.rank
+        prefill = prefill_tp or size
+        if tp_mismatch(prefill, size) is not None:  # refused by the scheduler half already
+            return [(rank, transfer_id)]
+        ranks = source_ranks(prefill, size, rank, self.ranks.total_kv_heads)
+        return [(i, share_id(transfer_id, prefill, size, rank, i)) for i in ranks]
+
     # -- per step -----------------------------------------------------------------------------
 
     def bind(self, meta: SplitserveConnectorMetadata) -> None:
@@ -205,8 +305,20 @@ class SplitserveWorker:
         self.channel.check()
         transfers, outbox = self._transfers, self._outbox
         with self._lock:
+            self._in_step = True  # until get_transfer_results: no idle drive
             for start in meta.produce_start:
-                key = (Side.PRODUCE, start.transfer_id)
+                if start.transfer_id in self._produce_ids:  # a reused id: no transfer
+                    logger.error(
+                        "request %s: transfer id %s already in use; no transfer",
+                        start.req_id,
+                        start.transfer_id,
+                    )
+                    continue
+                shares = self._shares(start.transfer_id, start.decode_tp_size)
+                self._produce_ids[start.transfer_id] = shares
+                if not shares:  # this rank's heads go to D from another rank
+                    continue
+                key = (Side.PRODUCE, shares[0])
                 if key in transfers:
                     # A client reused a transfer id: that request is served without a transfer.
                     logger.error(
@@ -216,20 +328,32 @@ class SplitserveWorker:
                         transfers[key].req_id,
                     )
                     continue
-                transfers[key] = _Transfer(start.req_id, Phase.STREAMING)
-                sender.add_request(start.transfer_id, start.num_prompt_tokens)
+                group = None if shares == [start.transfer_id] else start.transfer_id
+                if group is not None:
+                    self._produce_shares[group] = set(shares)
+                for share in shares:
+                    transfers[(Side.PRODUCE, share)] = _Transfer(
+                        start.req_id, Phase.STREAMING, group=group
+                    )
+                    sender.add_request(share, start.num_prompt_tokens)
             for end in meta.produce_end:
-                transfer = transfers.get((Side.PRODUCE, end.transfer_id))
-                if transfer is None or transfer.req_id != end.req_id:
+                shares = self._shares(end.transfer_id)
+                if not shares:  # nothing of ours to send: free at once
+                    self._produce_ids.pop(end.transfer_id, None)
                     if end.holds_blocks:
                         outbox.sending.add(end.req_id)
-                    continue
-                transfer.phase = Phase.ENDED
-                transfer.report_sending = end.holds_blocks
-                if end.cancel_reason is None:
-                    sender.finish_request(end.transfer_id, end.first_token)
-                else:
-                    sender.cancel(end.transfer_id, end.cancel_reason)
+                for share in shares:
+                    transfer = transfers.get((Side.PRODUCE, share))
+                    if transfer is None or transfer.req_id != end.req_id:
+                        if end.holds_blocks:
+                            outbox.sending.add(end.req_id)
+                        continue
+                    transfer.phase = Phase.ENDED
+                    transfer.report_sending = end.holds_blocks
+                    if end.cancel_reason is None:
+                        sender.finish_request(share, end.first_token)
+                    else:
+                        sender.cancel(share, end.cancel_reason)
             for start in meta.receive_start:
                 key = (Side.RECEIVE, start.transfer_id)
                 if key in transfers:
@@ -241,29 +365,41 @@ class SplitserveWorker:
                     )
                     outbox.failed.add(start.req_id)
                     continue
-                transfers[key] = _Transfer(start.req_id, Phase.LOADING)
-                receiver.expect(
-                    start.transfer_id,
-                    start.side_channel_host,
-                    self.ranks.port(start.side_channel_port),
-                    start.block_ids,
-                    start.token_offset,
-                    start.first_token,
-                )
+                sources = self._sources(start.transfer_id, start.remote_tp_size)
+                shares = [share for _, share in sources]
+                group = None if shares == [start.transfer_id] else start.transfer_id
+                if group is not None:
+                    self._receive_shares[group] = shares
+                    self._loads[group] = _Load(set(shares))
+                for source, share in sources:
+                    transfers[(Side.RECEIVE, share)] = _Transfer(
+                        start.req_id, Phase.LOADING, group=group
+                    )
+                    receiver.expect(
+                        share,
+                        start.side_channel_host,
+                        self.ranks.port(start.side_channel_port, source),
+                        start.block_ids,
+                        start.token_offset,
+                        start.first_token,
+                    )
             for release in meta.receive_release:
-                receiver.release_remote(
-                    release.transfer_id,
-                    release.side_channel_host,
-                    self.ranks.port(release.side_channel_port),
-                )
+                for source, share in self._sources(release.transfer_id, release.remote_tp_size):
+                    receiver.release_remote(
+                        share,
+                        release.side_channel_host,
+                        self.ranks.port(release.side_channel_port, source),
+                    )
             outbox.failed.update(meta.receive_fail)
             for abort in meta.receive_abort:
-                if self._req_id(Side.RECEIVE, abort.transfer_id) == abort.req_id:
-                    receiver.abort(abort.transfer_id, "request aborted on the decode side")
+                for share in self._receive_shares.get(abort.transfer_id, [abort.transfer_id]):
+                    if self._req_id(Side.RECEIVE, share) == abort.req_id:
+                        receiver.abort(share, "request aborted on the decode side")
             sender.begin_step(
-                StepUpdate(step.transfer_id, step.block_ids, step.computed_after_step)
+                StepUpdate(share, step.block_ids, step.computed_after_step)
                 for step in meta.produce_steps
-                if self._req_id(Side.PRODUCE, step.transfer_id) == step.req_id
+                for share in self._shares(step.transfer_id)
+                if self._req_id(Side.PRODUCE, share) == step.req_id
             )
         self._stepping = True
 
@@ -296,12 +432,22 @@ class SplitserveWorker:
         if self._stepping:  # a step without wait_for_save (should not happen): close it
             self.wait_for_save()
         with self._lock:
-            released = self.sender.poll()
+            released = self.sender.poll() | self._idle_released
+            self._idle_released = set()
         outbox = self._outbox
         sending, outbox.sending = outbox.sending, set()
         for transfer_id in released:
             transfer = self._transfers.pop((Side.PRODUCE, transfer_id), None)
-            if transfer is not None and transfer.report_sending:
+            if transfer is None:
+                continue
+            if transfer.group is not None:  # one share: the blocks are free after the last
+                left = self._produce_shares.get(transfer.group, set())
+                left.discard(transfer_id)
+                if left:
+                    continue
+                self._produce_shares.pop(transfer.group, None)
+            self._produce_ids.pop(transfer.group or transfer_id, None)
+            if transfer.report_sending:
                 sending.add(transfer.req_id)
         failed, outbox.failed = outbox.failed, set()
         recving = set(failed)
@@ -310,13 +456,69 @@ class SplitserveWorker:
             if transfer is None:
                 continue
             req_id = transfer.req_id
+            ok, token, reason = outcome.ok, outcome.first_token, outcome.reason
+            if transfer.group is not None:
+                settled = self._settle_share(transfer.group, transfer_id, ok, token, reason)
+                if settled is None:
+                    continue  # other shares of the request still loading
+                ok, token, reason = settled
             recving.add(req_id)
-            if outcome.ok and outcome.first_token is not None:
-                outbox.first_tokens[req_id] = outcome.first_token
-            if not outcome.ok:
+            if ok and token is not None:
+                outbox.first_tokens[req_id] = token
+            if not ok:
                 failed.add(req_id)
-                logger.error("KV load for request %s failed: %s", req_id, outcome.reason)
+                logger.error("KV load for request %s failed: %s", req_id, reason)
+        with self._lock:
+            self._in_step = False
+            self._last_step_end = self._clock()
         return sending, recving, failed
+
+    def _idle_loop(self) -> None:
+        while not self._idle_stop.wait(self.idle_drive_s):
+            try:
+                self._drive_idle()
+            except Exception:  # the engine's own polls go on; only the idle drive ends
+                logger.exception("SplitserveConnector: idle drive of the sender failed; stopped")
+                return
+
+    def _drive_idle(self) -> bool:
+        """An idle engine steps no more, so nothing reads the sender's side of the channel: a
+        REGISTER (a late D's, after the lease expired; one for a request this P never gets),
+        an ABORT or a HELLO would wait for the next request P gets, and D with it (its
+        ``done_timeout_s``). Past ``idle_drive_s`` without a step, poll the sender here, under
+        the lock (``bind`` takes it first and the engine's thread holds the step until
+        ``get_transfer_results``, so the two never drive the sender at once); what it releases
+        is reported by the next ``get_transfer_results``. True when it polled."""
+        if self._in_step or self.sender is None:
+            return False
+        with self._lock:
+            if self._in_step or self._clock() - self._last_step_end < self.idle_drive_s:
+                return False
+            self._idle_released |= self.sender.poll()
+        return True
+
+    def _settle_share(
+        self, group: str, share: str, ok: bool, token: int | None, reason: str
+    ) -> tuple[bool, int | None, str] | None:
+        """One share of a load settled: the load's (ok, first token, reason) once it was the
+        last, else None. The first failure aborts the shares still loading (the load has
+        failed as a whole; they settle on P's ABORT_ACK)."""
+        load = self._loads.get(group)
+        if load is None:
+            return ok, token, reason
+        load.left.discard(share)
+        if not ok and load.failure is None:
+            load.failure = f"share {share}: {reason}"
+            for other in load.left:
+                assert self.receiver is not None
+                self.receiver.abort(other, f"another share of the request failed ({share})")
+        if ok and token is not None:
+            load.first_token = token
+        if load.left:
+            return None
+        del self._loads[group]
+        self._receive_shares.pop(group, None)
+        return load.failure is None, load.first_token, load.failure or ""
 
     def take_worker_meta(self) -> SplitserveWorkerMetadata | None:
         """P's first tokens of the loads reported finished by the last ``get_transfer_results``."""
@@ -330,6 +532,11 @@ class SplitserveWorker:
     def stats(self) -> SplitserveKVConnectorStats | None:
         if self.sender is None or self.receiver is None or self.channel is None:
             return None
+        with self._lock:  # the idle drive may be counting
+            return self._stats()
+
+    def _stats(self) -> SplitserveKVConnectorStats | None:
+        assert self.sender is not None and self.receiver is not None and self.channel is not None
         s, r = self.sender.stats, self.receiver.stats
         totals: dict[str, Any] = {
             "bytes_sent": s.bytes_sent,
@@ -364,10 +571,15 @@ class SplitserveWorker:
             self._last_counts[name] = totals[name]
         data[HANDOFF] = list(r.handoffs_s)
         r.handoffs_s.clear()
+        data[TAIL] = list(s.forward_tails_s)
+        s.forward_tails_s.clear()
         stats = SplitserveKVConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        self._idle_stop.set()
+        if self._idle_thread is not None:
+            self._idle_thread.join(timeout=5)
         if self._gpu_poster is not None:
             self._gpu_poster.close()
         if self.channel is not None:

@@ -1,0 +1,498 @@
+"""No-regret table for the adaptive chunk scheduler alone, on unified (single) vLLM servers
+(issue #18): two model sizes x two ITL targets x two workloads = 8 cells; in each cell the
+adaptive budget's goodput against every fixed budget and vLLM's ``long_prefill_token_threshold``.
+
+A script, not a test. Everything below the "stated before any run" line is fixed before a server
+starts and printed with the results.
+
+- **Contenders** (one CPU vLLM server each, pinned to one core with ``taskset`` and
+  ``VLLM_CPU_OMP_THREADS_BIND``, chunked prefill, prefix caching off so no prompt is ever a cache
+  hit): ``fixed-N`` = ``--max-num-batched-tokens N`` for N in 256 / 512 / 1024 / 2048 / 4096;
+  ``lpt-256`` = budget 4096 with ``--long-prefill-token-threshold 256``; ``adaptive`` = budget
+  4096 with ``AdaptiveChunkScheduler`` and ``target_itl_ms`` = 0.6 x the cell's ITL target (the
+  tuning docs/scheduler.md gives).
+- **Workloads**, seeded, the same for every contender of a model size: ``mixed`` is
+  ``benchmarks/goodput.py``'s open-loop Poisson mix (80% chat: prompts 32-512, outputs 64-256;
+  20% documents: prompts 1,500-4,000, outputs 16-64) at the model's rate; ``phased`` is
+  ``benchmarks/chunking.py``'s phased load (busy phases of short streams with one long prompt in
+  their middle, quiet phases where long prompts arrive together), which makes a fixed budget
+  choose between the busy phase's gaps and the quiet phase's TTFT.
+- **SLO per cell**: a request meets it when it did not fail, its TTFT is within its class's
+  bound (the model size's, below) and the 99th percentile of its own inter-token gaps is within
+  the cell's ITL target. **Goodput** = requests meeting the SLO per second of the arrival window
+  (every contender gets the same arrivals, so goodputs compare like attainments).
+- **Verdict** (``verdict``): a cell's best fixed setting is the best of the five fixed budgets
+  and ``lpt-256``; the adaptive budget is "within 5%" when its goodput >= 0.95 x that best; a
+  fixed setting "falls >= 20% short" in a cell when its goodput <= 0.8 x the best. The issue's
+  target holds when the adaptive budget is within 5% in every cell and every fixed setting falls
+  >= 20% short in at least one cell.
+
+The fixed settings do not depend on the ITL target, so one run of each serves both targets'
+cells of its (model, workload); only the adaptive budget runs once per target. Runs of a
+(model, workload) rotate their order by its index; results are written to ``--out`` after every
+run, so a hold of the lock that ends early keeps what it measured, and ``--from-json`` merges the
+runs of several holds into one table.
+
+Usage:
+
+    .venv/bin/python benchmarks/no_regret.py --dry-run                  # the plan, no servers
+    .venv/bin/python benchmarks/no_regret.py --quick --out runs/no-regret-quick.json
+    .venv/bin/python benchmarks/no_regret.py --quick --cells mid-mixed-400,mid-mixed-1200 --out ...
+    .venv/bin/python benchmarks/no_regret.py --from-json A.json B.json --out AB.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunking import FIXED_BUDGETS, SCHEDULER_CLS, build_schedule
+from common.metrics import metrics_text
+from goodput import MAX_MODEL_LEN, Arrival, Result, drive, pct
+from goodput import workload as mixed_workload
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.launch.group import ServerGroup
+from splitserve.models import build_model, resolve_spec
+from splitserve.netutil import free_ports
+
+logger = logging.getLogger("benchmarks.no_regret")
+
+# ---------------------------------------------------------------------- stated before any run
+
+SEED = 18
+WITHIN = 0.95  # adaptive >= WITHIN x best fixed, in every cell
+SHORT = 0.80  # a fixed setting <= SHORT x best somewhere "falls >= 20% short"
+ADAPTIVE_TARGET_SHARE = 0.6  # target_itl_ms = 0.6 x the cell's ITL target (docs/scheduler.md)
+LARGE_BUDGET = 4096  # start-up budget of lpt-256 and adaptive (the scheduler only lowers it)
+WORKLOADS = ("mixed", "phased")
+
+
+@dataclass(frozen=True)
+class ModelCells:
+    """One model size's part of the table: its two ITL targets, TTFT bounds and load.
+
+    The targets are set from the model's cost per prefill token on one core (tiny ~0.1 ms, mid
+    ~1 ms: docs/benchmarks.md): the tight one lets only the smaller fixed chunks beside decodes,
+    the loose one most of them, so the best fixed budget can differ from cell to cell."""
+
+    itl_ms: tuple[float, float]
+    ttft_short_s: float  # chat (mixed) / short (phased) requests
+    ttft_long_s: float  # documents (mixed) / long prompts (phased)
+    mixed_rate: float  # req/s of the mixed workload
+    phased_short_rate: float  # req/s of short streams in a busy phase
+    period_s: float  # phased: busy + quiet
+    duration_s: float  # arrival window of a full run
+    quick_duration_s: float  # arrival window of a --quick run
+
+
+MODELS: dict[str, ModelCells] = {
+    "tiny": ModelCells((50.0, 150.0), 1.0, 3.0, 2.0, 3.0, 12.0, 48.0, 24.0),
+    "mid": ModelCells((400.0, 1200.0), 1.5, 8.0, 0.5, 1.0, 20.0, 80.0, 40.0),
+}
+PHASED = {"busy_fraction": 0.5, "quiet_longs": 2, "drain": 2.0}
+SHORT_PROMPT, SHORT_OUTPUT, LONG_PROMPT, LONG_OUTPUT = 32, 96, 3000, 8  # phased requests
+QUICK_CELLS = ("tiny-mixed-50", "tiny-mixed-150")
+
+# ---------------------------------------------------------------------- cells and contenders
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    workload: str
+    itl_ms: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.workload}-{self.itl_ms:g}"
+
+    @property
+    def adaptive_run(self) -> str:
+        return f"adaptive-{ADAPTIVE_TARGET_SHARE * self.itl_ms:g}ms"
+
+
+CELLS = [Cell(m, w, t) for m in MODELS for w in WORKLOADS for t in MODELS[m].itl_ms]
+BASELINES = [f"fixed-{n}" for n in FIXED_BUDGETS] + ["lpt-256"]
+
+
+def server_args(run: str) -> list[str]:
+    """Engine flags of one contender's server (``run``: a baseline or ``adaptive-<target>ms``)."""
+    base = ["--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill"]
+    base.append("--no-enable-prefix-caching")
+    if run.startswith("fixed-"):
+        return [*base, "--max-num-batched-tokens", run.removeprefix("fixed-")]
+    base += ["--max-num-batched-tokens", str(LARGE_BUDGET)]
+    if run == "lpt-256":
+        return [*base, "--long-prefill-token-threshold", "256"]
+    target = float(run.removeprefix("adaptive-").removesuffix("ms"))
+    settings = {"splitserve_scheduler": {"target_itl_ms": target}}
+    return [*base, "--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
+
+
+def plan(cells: list[Cell]) -> list[tuple[str, str, list[str]]]:
+    """(model, workload, runs in order) for the selected cells: the baselines once per
+    (model, workload), one adaptive run per ITL target, the order rotated by the pair's index
+    among all eight cells' pairs (so no contender always runs first)."""
+    pairs = [(m, w) for m in MODELS for w in WORKLOADS]
+    out = []
+    for k, pair in enumerate(pairs):
+        mine = [c for c in cells if (c.model, c.workload) == pair]
+        if not mine:
+            continue
+        runs = BASELINES + sorted({c.adaptive_run for c in mine})
+        shift = k % len(runs)
+        out.append((*pair, runs[shift:] + runs[:shift]))
+    return out
+
+
+# ---------------------------------------------------------------------- workloads (pure)
+
+
+def arrivals(model: str, workload: str, duration_s: float, seed: int = SEED) -> list[Arrival]:
+    """The seeded arrivals of one (model, workload): the same for every contender."""
+    m = MODELS[model]
+    if workload == "mixed":
+        return mixed_workload(m.mixed_rate, duration_s, seed)
+    rng = random.Random(f"{seed}-phased-{model}")
+    ns = argparse.Namespace(
+        workload="phased",
+        duration=duration_s,
+        period=m.period_s,
+        short_rate=m.phased_short_rate,
+        **PHASED,
+    )
+    out = []
+    for at, kind in build_schedule(ns, rng):
+        n, k = (SHORT_PROMPT, SHORT_OUTPUT) if kind == "short" else (LONG_PROMPT, LONG_OUTPUT)
+        prompt = tuple(rng.randint(5, 1000) for _ in range(n))
+        out.append(Arrival(at, "chat" if kind == "short" else "doc", prompt, k))
+    return out
+
+
+# ---------------------------------------------------------------------- goodput and verdict (pure)
+
+
+def record(r: Result) -> dict[str, Any]:
+    """What a cell's SLO needs of one request (kept in the JSON, so any SLO can be re-read)."""
+    gap = pct(r.gaps, 99)
+    return {
+        "kind": r.kind,
+        "ttft_s": r.ttft,
+        "gap_p99_s": gap,
+        "tokens": len(r.times),
+        "error": r.error,
+    }
+
+
+def meets(rec: dict[str, Any], cell: Cell) -> bool:
+    m = MODELS[cell.model]
+    if rec["error"] is not None or rec["ttft_s"] is None:
+        return False
+    if rec["ttft_s"] > (m.ttft_long_s if rec["kind"] == "doc" else m.ttft_short_s):
+        return False
+    return rec["gap_p99_s"] is None or rec["gap_p99_s"] <= cell.itl_ms / 1e3
+
+
+def goodput(run: dict[str, Any], cell: Cell) -> float:
+    """Requests meeting ``cell``'s SLO per second of the run's arrival window."""
+    return sum(meets(r, cell) for r in run["requests"]) / run["duration_s"]
+
+
+def table(runs: dict[str, dict[str, Any]], cells: list[Cell]) -> dict[str, dict[str, float]]:
+    """{cell: {contender: goodput}} for what was run (``adaptive`` is the cell's own target)."""
+    out: dict[str, dict[str, float]] = {}
+    for c in cells:
+        row = {}
+        for name in [*BASELINES, "adaptive"]:
+            key = f"{c.model}-{c.workload}-{c.adaptive_run if name == 'adaptive' else name}"
+            if key in runs:
+                row[name] = goodput(runs[key], c)
+        if row:
+            out[c.name] = row
+    return out
+
+
+def verdict(
+    goodputs: dict[str, dict[str, float]], within: float = WITHIN, short: float = SHORT
+) -> dict[str, Any]:
+    """The issue's two conditions over the complete cells (adaptive and every baseline run).
+
+    Per cell: the best baseline, adaptive / best, each baseline / best (None where the best is 0:
+    nobody met the SLO, so nobody is short and the adaptive budget is not behind). Per baseline:
+    its worst ratio over the cells and whether that is <= ``short``."""
+    complete = {c: g for c, g in goodputs.items() if "adaptive" in g and set(BASELINES) <= set(g)}
+    cells: dict[str, Any] = {}
+    for name, g in complete.items():
+        best_name = max(BASELINES, key=lambda b: g[b])
+        best = g[best_name]
+        ratios = {b: (g[b] / best if best > 0 else None) for b in BASELINES}
+        cells[name] = {
+            "best": best_name,
+            "best_goodput": best,
+            "adaptive_ratio": g["adaptive"] / best if best > 0 else None,
+            "adaptive_within": g["adaptive"] >= within * best,
+            "ratios": ratios,
+        }
+    worst: dict[str, float | None] = {}
+    for b in BASELINES:
+        seen = [c["ratios"][b] for c in cells.values() if c["ratios"][b] is not None]
+        worst[b] = min(seen) if seen else None
+    falls = {b: w is not None and w <= short for b, w in worst.items()}
+    no_regret = bool(cells) and all(c["adaptive_within"] for c in cells.values())
+    every_fixed = bool(cells) and all(falls.values())
+    return {
+        "complete_cells": sorted(cells),
+        "incomplete_cells": sorted(set(goodputs) - set(complete)),
+        "cells": cells,
+        "worst_ratio": worst,
+        "falls_short": falls,
+        "adaptive_within_everywhere": no_regret,
+        "every_fixed_falls_short_somewhere": every_fixed,
+        "target_met": no_regret and every_fixed,
+    }
+
+
+def markdown(goodputs: dict[str, dict[str, float]], v: dict[str, Any]) -> str:
+    cols = [*BASELINES, "adaptive"]
+    lines = [
+        "| cell | " + " | ".join(cols) + " | best fixed | adaptive / best |",
+        "|---|" + "---:|" * len(cols) + "---|---:|",
+    ]
+    for name, g in goodputs.items():
+        vals = " | ".join("-" if c not in g else f"{g[c]:.2f}" for c in cols)
+        cell = v["cells"].get(name)
+        if cell is None:
+            lines.append(f"| {name} | {vals} | (incomplete) | - |")
+            continue
+        r = cell["adaptive_ratio"]
+        mark = "" if cell["adaptive_within"] else " (miss)"
+        lines.append(
+            f"| {name} | {vals} | {cell['best']} | {'-' if r is None else f'{r:.3f}'}{mark} |"
+        )
+    worst = " | ".join(
+        "-"
+        if (w := v["worst_ratio"][b]) is None
+        else f"{w:.3f}" + ("" if v["falls_short"][b] else " (never)")
+        for b in BASELINES
+    )
+    lines.append(f"| worst / best over cells | {worst} | | | |")
+    lines += [
+        "",
+        f"Goodput in good requests/s. Complete cells: {len(v['complete_cells'])} of 8"
+        + (f"; incomplete: {', '.join(v['incomplete_cells'])}" if v["incomplete_cells"] else "")
+        + ".",
+        f"Adaptive within {1 - WITHIN:.0%} of the best fixed setting in every complete cell: "
+        f"{'yes' if v['adaptive_within_everywhere'] else 'no'}.",
+        f"Every fixed setting >= {1 - SHORT:.0%} short of the best in some complete cell: "
+        f"{'yes' if v['every_fixed_falls_short_somewhere'] else 'no'}.",
+        f"Target met (over the complete cells): {'yes' if v['target_met'] else 'no'}.",
+    ]
+    return "\n".join(lines)
+
+
+def definition() -> str:
+    parts = [
+        f"goodput = requests meeting the cell's SLO per second of arrivals (seed {SEED}); SLO: no "
+        "error, TTFT within the class bound, the request's own p99 inter-token gap <= the cell's "
+        f"ITL target; adaptive target_itl_ms = {ADAPTIVE_TARGET_SHARE:g} x ITL target"
+    ]
+    for name, m in MODELS.items():
+        parts.append(
+            f"{name}: ITL targets {m.itl_ms[0]:g} / {m.itl_ms[1]:g} ms, TTFT <= "
+            f"{m.ttft_short_s:g} s (chat/short), <= {m.ttft_long_s:g} s (document/long), mixed "
+            f"at {m.mixed_rate:g} req/s, phased shorts at {m.phased_short_rate:g} req/s, period "
+            f"{m.period_s:g} s"
+        )
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------- running
+
+
+def _check_warm(results: list[Result]) -> None:
+    bad = [r.error for r in results if r.error or r.ttft is None]
+    if bad:
+        raise RuntimeError(f"warm-up failed: {bad}")
+
+
+def scheduler_decisions(text: str) -> dict[str, float]:
+    """The adaptive scheduler's budget decisions by reason (fits / min_chunk / no_decodes),
+    warm-up included: how often the target left it the whole budget or only its floor."""
+    return {
+        s.labels["reason"]: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "splitserve_scheduler_budget_decisions_total"
+    }
+
+
+def run_one(model_dir: Path, run: str, reqs: list[Arrival], log_dir: Path, core: int) -> dict:
+    """Start one contender's server on ``core``, warm it, drive ``reqs``, stop it."""
+    args = server_args(run)
+    metrics_port = None
+    if run.startswith("adaptive-"):
+        metrics_port = free_ports(1)[0]
+        i = args.index("--additional-config") + 1
+        settings = json.loads(args[i])
+        settings["splitserve_scheduler"]["metrics_port"] = metrics_port
+        args[i] = json.dumps(settings)
+    group = ServerGroup(log_dir)
+    try:
+        t0 = time.perf_counter()
+        server = group.add_vllm(
+            run,
+            str(model_dir),
+            served_model_name="bench",
+            extra_args=args,
+            cpu_core=core,
+            cpus=[core],
+            env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+        )
+        group.wait(900.0)
+        started = time.perf_counter() - t0
+        warm = [tuple(10 + i % 900 for i in range(n)) for n in (64, 2000)]
+        _check_warm(asyncio.run(drive(server.url, [Arrival(0, "chat", p, 4) for p in warm])))
+        t1 = time.perf_counter()
+        results = asyncio.run(drive(server.url, reqs))
+        wall = time.perf_counter() - t1
+        scheduler = None
+        if metrics_port is not None:
+            scheduler = scheduler_decisions(metrics_text(f"http://127.0.0.1:{metrics_port}"))
+    finally:
+        group.stop()
+    return {
+        "server_args": args,
+        "start_s": started,
+        "wall_s": wall,
+        "scheduler": scheduler,
+        "requests": [record(r) for r in results],
+    }
+
+
+def run(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="no-regret-"))
+    report: dict[str, Any] = {"definition": definition(), "args": _jsonable(vars(args)), "runs": {}}
+    models: dict[str, Path] = {}
+    for model, wl, order in plan(cells):
+        m = MODELS[model]
+        duration = m.quick_duration_s if args.quick else (args.duration or m.duration_s)
+        reqs = arrivals(model, wl, duration, args.seed)
+        if model not in models:
+            models[model] = build_model(resolve_spec(model), work / model)
+        logger.info("%s/%s: %d requests over %g s; order %s", model, wl, len(reqs), duration, order)
+        for name in order:
+            key = f"{model}-{wl}-{name}"
+            one = run_one(models[model], name, reqs, work / "logs" / key, args.core)
+            one.update(
+                {
+                    "model": model,
+                    "workload": wl,
+                    "contender": name,
+                    "duration_s": duration,
+                    "at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                }
+            )
+            report["runs"][key] = one
+            for c in cells:
+                if (c.model, c.workload) == (model, wl):
+                    logger.info("%s in %s: goodput %.2f req/s", name, c.name, goodput(one, c))
+            _write(args.out, report, cells)
+    return report
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def _write(path: Path | None, report: dict[str, Any], cells: list[Cell]) -> None:
+    g = table(report["runs"], cells)
+    report["goodput"], report["verdict"] = g, verdict(g)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of several reports as one (a run measured twice is an error: which counts?)."""
+    runs: dict[str, Any] = {}
+    for r in reports:
+        for key, one in r["runs"].items():
+            if key in runs:
+                raise SystemExit(f"cannot merge: {key} measured twice")
+            runs[key] = one
+    return {
+        "definition": reports[0]["definition"],
+        "args": {"merged_from": len(reports)},
+        "runs": runs,
+    }
+
+
+def dry_run(cells: list[Cell], quick: bool, duration: float | None, seed: int) -> str:
+    lines = [definition(), "cells: " + ", ".join(c.name for c in cells)]
+    for model, wl, order in plan(cells):
+        m = MODELS[model]
+        d = m.quick_duration_s if quick else (duration or m.duration_s)
+        reqs = arrivals(model, wl, d, seed)
+        docs = sum(a.kind == "doc" for a in reqs)
+        lines.append(
+            f"{model}/{wl}: {len(reqs)} requests ({docs} documents/long) over {d:g} s, "
+            f"{sum(len(a.prompt) for a in reqs)} prompt tokens; runs in order: {', '.join(order)}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Cell]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--cells",
+        default="",
+        help="comma-separated cell names (default: all 8; "
+        f"--quick: {','.join(QUICK_CELLS)}); one of {[c.name for c in CELLS]}",
+    )
+    ap.add_argument("--quick", action="store_true", help="short runs (the model's quick window)")
+    ap.add_argument("--duration", type=float, help="arrival window (s) of full runs")
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--core", type=int, default=0, help="the CPU core every server is pinned to")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    ap.add_argument("--out", type=Path, help="JSON results (rewritten after every run)")
+    ap.add_argument("--from-json", type=Path, nargs="+", help="merge written reports, run nothing")
+    args = ap.parse_args(argv)
+    by_name = {c.name: c for c in CELLS}
+    names = [x for x in args.cells.split(",") if x] or (
+        list(QUICK_CELLS) if args.quick else list(by_name)
+    )
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        ap.error(f"--cells: unknown cell(s) {unknown}")
+    return args, [by_name[n] for n in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args, cells = parse_args(argv)
+    if args.from_json:
+        report = merge([json.loads(p.read_text()) for p in args.from_json])
+        _write(args.out, report, CELLS)
+        print(markdown(report["goodput"], report["verdict"]))
+        return 0
+    print(dry_run(cells, args.quick, args.duration, args.seed), flush=True)
+    if args.dry_run:
+        return 0
+    report = run(args, cells)
+    _write(args.out, report, cells)
+    print(markdown(report["goodput"], report["verdict"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""LMCache composition on real servers (issue #19): two prefill servers sharing LMCache's own
+cache server as the remote tier, each with vLLM's ``MultiConnector`` of
+``SplitserveLMCacheConnector`` (LMCache, with splitserve's CPU shim) and ``SplitserveConnector``
+(the handoff to D).
+
+Not collected by ``make test`` (LMCache is not in the project's environment yet: its wheel must
+be installed ``--no-deps``, docs/lmcache.md). Run it from an environment that has it, under the
+lock::
+
+    PYTHONPATH=$PWD PYTHONHASHSEED=0 flock /tmp/splitserve-integration.lock \\
+        /tmp/lmcvenv/bin/python -m pytest -q -p no:cacheprovider tests/integration/manual_lmcache.py
+
+The proof that KV came from LMCache and not a silent recompute: vLLM's own counter of tokens a
+KV connector supplied (``vllm:external_prefix_cache_hits``) rises on P2 by the shared prefix,
+P2's computed tokens (``vllm:request_prefill_kv_computed_tokens``) are only the new suffix, and
+D's greedy tokens and log-probs equal a colocated server's (garbage KV would change them).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from metrics_text import fetch_metrics, metric_sum
+from session_keys import key_env
+from session_keys import test_key_file as key_file
+
+from splitserve.connectors.lmcache.settings import LMCacheSettings, composed_kv_config
+from splitserve.netutil import free_ports, port_in_use
+from splitserve.proxy import dispatch
+
+pytest.importorskip("lmcache")
+
+CHUNK = 256
+DOC_TOKENS = 1500
+QUESTION_TOKENS = 40
+MAX_TOKENS = 6
+
+
+def lmcache_env(remote_port: int) -> dict[str, str]:
+    """LMCache's settings for a P: local CPU tier and the shared LMCache server."""
+    settings = LMCacheSettings(chunk_size=CHUNK, remote={"port": remote_port, "start": False})
+    return settings.env()
+
+
+def splitserve_config(side_port: int) -> dict:
+    return {
+        "kv_connector": "SplitserveConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "side_channel_port": side_port,
+            "auth_key_file": key_file(),
+            "lease_s": 20,
+            "done_timeout_s": 300,
+        },
+    }
+
+
+def multi_config(side_port: int) -> dict:
+    return composed_kv_config(splitserve_config(side_port))
+
+
+@pytest.fixture(scope="module")
+def remote_tier(tmp_path_factory):
+    """LMCache's own cache server (plain TCP, no HTTP health route: not a group member)."""
+    port = free_ports(1)[0]
+    log = open(tmp_path_factory.mktemp("lmcache") / "lmcache-server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        end = time.monotonic() + 120
+        while not port_in_use(port):
+            assert proc.poll() is None and time.monotonic() < end, "LMCache server did not start"
+            time.sleep(0.2)
+        yield port, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(servers, tiny_model, remote_tier):
+    """P1 and P2 (MultiConnector, sharing ``remote_tier``) and D (SplitserveConnector)."""
+    group = servers.group
+    remote_port, _ = remote_tier
+    p1_side, p2_side, d_side = free_ports(3)
+    args = ["--max-model-len", "2048", "--max-num-batched-tokens", "512"]
+    env = {**key_env(), **lmcache_env(remote_port)}
+    for key, core, side in (("lmc-p1", 0, p1_side), ("lmc-p2", 1, p2_side)):
+        servers.vllm(
+            key,
+            tiny_model,
+            kv_transfer_config=multi_config(side),
+            extra_args=args,
+            cpu_core=core,
+            env=env,
+            wait=False,
+        )
+    servers.vllm(
+        "lmc-d",
+        tiny_model,
+        kv_transfer_config=splitserve_config(d_side),
+        # Without its own prefix cache D cannot serve the shared document from the first
+        # request's blocks: all of P2's KV, LMCache's prefix included, must reach it.
+        extra_args=[*args, "--no-enable-prefix-caching"],
+        cpu_core=0,
+        env=key_env(),
+        wait=False,
+    )
+    servers.wait_all("lmc-p1", "lmc-p2", "lmc-d")
+    urls = {k: group.servers[k].url for k in ("lmc-p1", "lmc-p2", "lmc-d")}
+    return {**urls, "p2-side": p2_side}
+
+
+def post(url: str, body: dict, timeout: float = 300.0) -> dict:
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+
+
+def body_for(prompt: list[int]) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def tokens(answer: dict) -> tuple[list[int], list[float]]:
+    assert "choices" in answer, f"no completion: {answer}"
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def handoff(p_url: str, d_url: str, prompt: list[int]) -> dict:
+    """The sequential flow: P prefills (LMCache may supply a prefix), D decodes from P's KV."""
+    body = body_for(prompt)
+    transfer_id = dispatch.new_transfer_id()
+    p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body, transfer_id))
+    assert p_answer.get("kv_transfer_params"), p_answer
+    return post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer, transfer_id))
+
+
+def concurrent_handoff(p_url: str, p_side: int, d_url: str, prompt: list[int]) -> dict:
+    """The concurrent flow: P and D at once, D registers while P computes (layer-wise)."""
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side
+    )
+    with ThreadPoolExecutor(2) as pool:
+        p_answer = pool.submit(post, p_url, prefill)
+        d_answer = pool.submit(post, d_url, decode)
+        assert "choices" in p_answer.result(), p_answer.result()
+        return d_answer.result()
+
+
+def counters(url: str) -> dict[str, float]:
+    text = fetch_metrics(url)
+    return {
+        "external_hits": metric_sum(text, "vllm:external_prefix_cache_hits_total"),
+        "computed": metric_sum(text, "vllm:request_prefill_kv_computed_tokens_sum"),
+        "prompt": metric_sum(text, "vllm:prompt_tokens_total"),
+        "handoffs": metric_sum(text, "vllm:splitserve_exposed_handoff_seconds_count"),
+        "exposed_s": metric_sum(text, "vllm:splitserve_exposed_handoff_seconds_sum"),
+    }
+
+
+def test_p2_loads_the_shared_prefix_and_d_equals_colocated(fleet) -> None:
+    doc = ids(DOC_TOKENS, 1)
+    first, second = doc + ids(QUESTION_TOKENS, 2), doc + ids(QUESTION_TOKENS, 3)
+    p1, p2, d = fleet["lmc-p1"], fleet["lmc-p2"], fleet["lmc-d"]
+
+    got_first = tokens(handoff(p1, d, first))
+    # P1's store reaches the remote tier asynchronously: P2 may only look once it is there.
+    time.sleep(3)
+    before, d_before = counters(p2), counters(d)
+    got_second = tokens(concurrent_handoff(p2, fleet["p2-side"], d, second))
+    after, d_after = counters(p2), counters(d)
+    # D measured this handoff on our layer-wise path (what it waited beyond P2's compute).
+    assert d_after["handoffs"] == d_before["handoffs"] + 1
+    exposed = d_after["exposed_s"] - d_before["exposed_s"]
+    print(f"P2 -> D exposed handoff: {exposed * 1000:.1f} ms")
+
+    shared = DOC_TOKENS // CHUNK * CHUNK  # LMCache keeps whole chunks
+    hits = after["external_hits"] - before["external_hits"]
+    computed = after["computed"] - before["computed"]
+    assert hits == shared, f"P2 loaded {hits} tokens from LMCache, want {shared}"
+    assert computed == len(second) - shared, f"P2 computed {computed} of {len(second)} tokens"
+
+    # Colocated references last, on D (a request without kv_transfer_params is local).
+    for got, prompt, what in ((got_first, first, "P1"), (got_second, second, "P2")):
+        ref_ids, ref_lp = tokens(post(d, body_for(prompt)))
+        assert got[0] == ref_ids, f"{what}: tokens {got[0]} != colocated {ref_ids}"
+        for a, b in zip(got[1], ref_lp, strict=True):
+            assert abs(a - b) < 1e-2, f"{what}: logprobs {got[1]} != colocated {ref_lp}"
+
+
+def test_remote_tier_killed_requests_still_succeed(fleet, remote_tier) -> None:
+    """With LMCache's server gone, P2 recomputes: the request succeeds with D's output equal to
+    colocated, and nothing waits on the dead tier beyond the request's own bound."""
+    _, proc = remote_tier
+    proc.terminate()
+    proc.wait(30)
+    p2, d = fleet["lmc-p2"], fleet["lmc-d"]
+    prompt = ids(DOC_TOKENS, 4) + ids(QUESTION_TOKENS, 5)
+    before = counters(p2)
+    got = tokens(handoff(p2, d, prompt))
+    after = counters(p2)
+    assert after["external_hits"] == before["external_hits"]
+    assert after["computed"] - before["computed"] == len(prompt)
+    ref_ids, ref_lp = tokens(post(d, body_for(prompt)))
+    assert got[0] == ref_ids
+    for a, b in zip(got[1], ref_lp, strict=True):
+        assert abs(a - b) < 1e-2
