@@ -260,7 +260,7 @@ def test_the_params_decode_size_beats_the_setting_and_ids_are_freed_after_the_la
     assert [c[1] for c in worker.sender.calls] == ["t@d0", "t@d1", "t@d0", "t@d1"]
     worker.sender.released = {"t@d0", "t@d1"}
     assert worker.get_transfer_results()[0] == {"r"}
-    assert worker._produce_ids == {} and worker._produce_shares == {}
+    assert worker.shares.is_idle()
     # the id is free again: a later request with it gets its own transfer
     worker.bind(SplitserveConnectorMetadata(produce_start=[ProduceStart("r2", "t", 10)]))
     assert worker.sender.calls[-1] == ("add", "t", 10)

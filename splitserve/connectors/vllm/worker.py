@@ -31,7 +31,8 @@ the peer rank(s) that hold them (``ranks.source_ranks``: the same rank at equal 
 other sizes every (P rank, D rank) pair moves its own share of the request (``ranks.share_id``):
 D wider, a P rank feeds several D ranks, keeps one sender transfer per share and reports the
 request sent once the last share settled; P wider, a D rank loads from several P ranks and
-reports the load once every share settled, failed if any failed (aborting the others). Each
+reports the load once every share settled, failed if any failed (aborting the others): the
+records of those shares are ``shares.Shares``. Each
 rank reports its own settled transfers; vLLM's ``KVOutputAggregator`` reports a request
 finished only once every rank did and failed if any rank failed it.
 
@@ -69,7 +70,8 @@ from splitserve.connectors.vllm.metadata import (
     SplitserveConnectorMetadata,
     SplitserveWorkerMetadata,
 )
-from splitserve.connectors.vllm.ranks import Ranks, fed_ranks, share_id, source_ranks
+from splitserve.connectors.vllm.ranks import Ranks
+from splitserve.connectors.vllm.shares import Shares
 from splitserve.connectors.vllm.stats import (
     COUNTERS,
     HANDOFF,
@@ -83,7 +85,7 @@ from splitserve.transfer.layout import kv_layout_from_tensors
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender, StepUpdate
 from splitserve.transfer.side_channel import SideChannel
-from splitserve.transfer.tp import heads_of_rank, tp_mismatch
+from splitserve.transfer.tp import heads_of_rank
 
 if TYPE_CHECKING:
     import torch
@@ -112,18 +114,8 @@ class _Transfer:
 
     req_id: str
     phase: Phase
+    transfer_id: str  # the request's; the record's key is its share (``shares.py``)
     report_sending: bool = False  # P, ENDED: vLLM holds the blocks, report finished_sending
-    group: str | None = None  # a share of this transfer id (other TP sizes: ``ranks.share_id``)
-
-
-@dataclass
-class _Load:
-    """D: a request loaded in shares from several P ranks (P wider), or one share (D wider):
-    complete once every share settled, failed if any failed."""
-
-    left: set[str]
-    failure: str | None = None
-    first_token: int | None = None
 
 
 @dataclass
@@ -171,13 +163,7 @@ class SplitserveWorker:
         self._idle_stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
         self._last_counts: dict[str, int] = {}
-        self._decode_tp = config.decode_tp_size or self.ranks.size
-        # Other TP sizes (``ranks.share_id``): on P, a transfer id's shares this rank sends
-        # that are not released yet; on D, a transfer id's shares and its load across them
-        self._produce_shares: dict[str, set[str]] = {}
-        self._produce_ids: dict[str, list[str]] = {}  # transfer id -> its shares here
-        self._receive_shares: dict[str, list[str]] = {}
-        self._loads: dict[str, _Load] = {}
+        self.shares = Shares(self.ranks, config.decode_tp_size)  # each request's, this rank
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -271,29 +257,6 @@ class SplitserveWorker:
         share = len(heads_of_rank(total, self.ranks.size, self.ranks.rank))
         return 1 if all(t.shape[1] == share for t in tensors) else None
 
-    def _shares(self, transfer_id: str, decode_tp: int | None = None) -> list[str]:
-        """The transfer ids this P rank sends a request's KV under, for a D of ``decode_tp``
-        (the params' word, else the setting ``decode_tp_size``, else ours): the id itself at
-        equal sizes, else one share per decode rank it feeds (none for a rank that only
-        repeats replicated heads). Fixed at ``ProduceStart``: later steps use the same."""
-        known = self._produce_ids.get(transfer_id)
-        if known is not None:
-            return known
-        size, decode, rank = self.ranks.size, decode_tp or self._decode_tp, self.ranks.rank
-        if decode == size or tp_mismatch(size, decode) is not None:
-            return [transfer_id]
-        fed = fed_ranks(size, decode, rank, self.ranks.total_kv_heads)
-        return [share_id(transfer_id, size, decode, j, rank) for j in fed]
-
-    def _sources(self, transfer_id: str, prefill_tp: int | None) -> list[tuple[int, str]]:
-        """(P rank, the transfer id registered there) for each share this D rank loads."""
-        size, rank = self.ranks.size, self.ranks.rank
-        prefill = prefill_tp or size
-        if tp_mismatch(prefill, size) is not None:  # refused by the scheduler half already
-            return [(rank, transfer_id)]
-        ranks = source_ranks(prefill, size, rank, self.ranks.total_kv_heads)
-        return [(i, share_id(transfer_id, prefill, size, rank, i)) for i in ranks]
-
     # -- per step -----------------------------------------------------------------------------
 
     def bind(self, meta: SplitserveConnectorMetadata) -> None:
@@ -303,43 +266,28 @@ class SplitserveWorker:
         # A dead side channel must stop the engine (its /health then fails), not leave every
         # transfer waiting for its timeout behind a server that looks healthy.
         self.channel.check()
-        transfers, outbox = self._transfers, self._outbox
+        transfers, outbox, shares_of = self._transfers, self._outbox, self.shares
         with self._lock:
             self._in_step = True  # until get_transfer_results: no idle drive
             for start in meta.produce_start:
-                if start.transfer_id in self._produce_ids:  # a reused id: no transfer
+                shares = shares_of.start_sending(start.transfer_id, start.decode_tp_size)
+                if shares is None:
+                    # A client reused a transfer id: that request is served without a transfer.
                     logger.error(
                         "request %s: transfer id %s already in use; no transfer",
                         start.req_id,
                         start.transfer_id,
                     )
                     continue
-                shares = self._shares(start.transfer_id, start.decode_tp_size)
-                self._produce_ids[start.transfer_id] = shares
-                if not shares:  # this rank's heads go to D from another rank
-                    continue
-                key = (Side.PRODUCE, shares[0])
-                if key in transfers:
-                    # A client reused a transfer id: that request is served without a transfer.
-                    logger.error(
-                        "request %s: transfer id %s already in use by request %s; no transfer",
-                        start.req_id,
-                        start.transfer_id,
-                        transfers[key].req_id,
-                    )
-                    continue
-                group = None if shares == [start.transfer_id] else start.transfer_id
-                if group is not None:
-                    self._produce_shares[group] = set(shares)
-                for share in shares:
+                for share in shares:  # none: this rank's heads go to D from another rank
                     transfers[(Side.PRODUCE, share)] = _Transfer(
-                        start.req_id, Phase.STREAMING, group=group
+                        start.req_id, Phase.STREAMING, start.transfer_id
                     )
                     sender.add_request(share, start.num_prompt_tokens)
             for end in meta.produce_end:
-                shares = self._shares(end.transfer_id)
+                shares = shares_of.sending(end.transfer_id)
                 if not shares:  # nothing of ours to send: free at once
-                    self._produce_ids.pop(end.transfer_id, None)
+                    shares_of.forget_sending(end.transfer_id)
                     if end.holds_blocks:
                         outbox.sending.add(end.req_id)
                 for share in shares:
@@ -355,25 +303,18 @@ class SplitserveWorker:
                     else:
                         sender.cancel(share, end.cancel_reason)
             for start in meta.receive_start:
-                key = (Side.RECEIVE, start.transfer_id)
-                if key in transfers:
+                sources = shares_of.sources(start.transfer_id, start.remote_tp_size)
+                if not shares_of.start_loading(start.transfer_id, [s for _, s in sources]):
                     logger.error(
-                        "request %s: transfer id %s already awaited by request %s",
+                        "request %s: transfer id %s already awaited by another request",
                         start.req_id,
                         start.transfer_id,
-                        transfers[key].req_id,
                     )
                     outbox.failed.add(start.req_id)
                     continue
-                sources = self._sources(start.transfer_id, start.remote_tp_size)
-                shares = [share for _, share in sources]
-                group = None if shares == [start.transfer_id] else start.transfer_id
-                if group is not None:
-                    self._receive_shares[group] = shares
-                    self._loads[group] = _Load(set(shares))
                 for source, share in sources:
                     transfers[(Side.RECEIVE, share)] = _Transfer(
-                        start.req_id, Phase.LOADING, group=group
+                        start.req_id, Phase.LOADING, start.transfer_id
                     )
                     receiver.expect(
                         share,
@@ -384,7 +325,7 @@ class SplitserveWorker:
                         start.first_token,
                     )
             for release in meta.receive_release:
-                for source, share in self._sources(release.transfer_id, release.remote_tp_size):
+                for source, share in shares_of.sources(release.transfer_id, release.remote_tp_size):
                     receiver.release_remote(
                         share,
                         release.side_channel_host,
@@ -392,13 +333,13 @@ class SplitserveWorker:
                     )
             outbox.failed.update(meta.receive_fail)
             for abort in meta.receive_abort:
-                for share in self._receive_shares.get(abort.transfer_id, [abort.transfer_id]):
+                for share in shares_of.loading(abort.transfer_id):
                     if self._req_id(Side.RECEIVE, share) == abort.req_id:
                         receiver.abort(share, "request aborted on the decode side")
             sender.begin_step(
                 StepUpdate(share, step.block_ids, step.computed_after_step)
                 for step in meta.produce_steps
-                for share in self._shares(step.transfer_id)
+                for share in shares_of.sending(step.transfer_id)
                 if self._req_id(Side.PRODUCE, share) == step.req_id
             )
         self._stepping = True
@@ -438,15 +379,8 @@ class SplitserveWorker:
         sending, outbox.sending = outbox.sending, set()
         for transfer_id in released:
             transfer = self._transfers.pop((Side.PRODUCE, transfer_id), None)
-            if transfer is None:
-                continue
-            if transfer.group is not None:  # one share: the blocks are free after the last
-                left = self._produce_shares.get(transfer.group, set())
-                left.discard(transfer_id)
-                if left:
-                    continue
-                self._produce_shares.pop(transfer.group, None)
-            self._produce_ids.pop(transfer.group or transfer_id, None)
+            if transfer is None or not self.shares.released(transfer.transfer_id, transfer_id):
+                continue  # not ours, or the request's blocks wait for its other shares
             if transfer.report_sending:
                 sending.add(transfer.req_id)
         failed, outbox.failed = outbox.failed, set()
@@ -456,12 +390,17 @@ class SplitserveWorker:
             if transfer is None:
                 continue
             req_id = transfer.req_id
-            ok, token, reason = outcome.ok, outcome.first_token, outcome.reason
-            if transfer.group is not None:
-                settled = self._settle_share(transfer.group, transfer_id, ok, token, reason)
-                if settled is None:
-                    continue  # other shares of the request still loading
-                ok, token, reason = settled
+            settled = self.shares.settle(
+                transfer.transfer_id,
+                transfer_id,
+                outcome.ok,
+                outcome.first_token,
+                outcome.reason,
+                self.receiver.abort,
+            )
+            if settled is None:
+                continue  # other shares of the request still loading
+            ok, token, reason = settled
             recving.add(req_id)
             if ok and token is not None:
                 outbox.first_tokens[req_id] = token
@@ -496,29 +435,6 @@ class SplitserveWorker:
                 return False
             self._idle_released |= self.sender.poll()
         return True
-
-    def _settle_share(
-        self, group: str, share: str, ok: bool, token: int | None, reason: str
-    ) -> tuple[bool, int | None, str] | None:
-        """One share of a load settled: the load's (ok, first token, reason) once it was the
-        last, else None. The first failure aborts the shares still loading (the load has
-        failed as a whole; they settle on P's ABORT_ACK)."""
-        load = self._loads.get(group)
-        if load is None:
-            return ok, token, reason
-        load.left.discard(share)
-        if not ok and load.failure is None:
-            load.failure = f"share {share}: {reason}"
-            for other in load.left:
-                assert self.receiver is not None
-                self.receiver.abort(other, f"another share of the request failed ({share})")
-        if ok and token is not None:
-            load.first_token = token
-        if load.left:
-            return None
-        del self._loads[group]
-        self._receive_shares.pop(group, None)
-        return load.failure is None, load.first_token, load.failure or ""
 
     def take_worker_meta(self) -> SplitserveWorkerMetadata | None:
         """P's first tokens of the loads reported finished by the last ``get_transfer_results``."""
