@@ -59,7 +59,17 @@ pytestmark = pytest.mark.integration
 BLOCK = 128
 MAX_TOKENS = 6
 BUDGET = 512  # P's --max-num-batched-tokens: a 1300-token prompt is three chunks
-UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# VLLM_SERVER_DEV_MODE: /reset_prefix_cache, so a reference computed on the D it is compared
+# with is not then served from D's own prefix cache instead of loaded (reset_prefix_cache)
+UNPINNED = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+}
+# The five TP processes on 2 cores stall whole seconds at a time (docs/connector-protocol.md,
+# "Ranks": 40-68 runnable threads), past the 5 s default; a silent peer is then still
+# detected, within this bound
+PEER_LIVENESS_S = 60
 REQUEST_TIMEOUT = 300.0
 LEASE_S = 20
 D_NICE = 10
@@ -94,6 +104,7 @@ def _kv_config(side_port: int, **settings) -> dict:
             "auth_key_file": key_file(TEST_KEY),
             "lease_s": LEASE_S,
             "done_timeout_s": 300,
+            "peer_liveness_s": PEER_LIVENESS_S,
             **settings,
         },
     }
@@ -228,6 +239,14 @@ def wait_kv_usage_zero(url: str, bound: float = 3.0 * LEASE_S) -> None:
     raise AssertionError(f"{url}: KV cache usage {usage} did not return to 0 (leak)")
 
 
+def reset_prefix_cache(url: str) -> None:
+    """Empty a server's prefix cache (dev mode), so its next load of a prompt it computed as
+    the reference is a real load."""
+    request = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200, response.status
+
+
 def failed_loads(url: str) -> float:
     return metric_sum(fetch_metrics(url), "vllm:splitserve_loads_failed_total")
 
@@ -358,6 +377,7 @@ def test_tp2_to_tp1_equals_colocated_tp1(tp, first_token):
     for i, length in enumerate(LENGTHS):
         prompt = prompt_of(length, seed + i)
         want = tokens(post(ref[0], body_for(prompt)))
+        reset_prefix_cache(d[0])  # D is the reference: its cache would serve the load
         answer = concurrent(p, d, prompt, first_token, remote_tp_size=2, decode_tp_size=1)
         assert_same(answer, want, f"P TP 2 -> D TP 1, {length} tokens")
     requests_loaded = len(LENGTHS) - (0 if first_token else 1)
@@ -372,6 +392,7 @@ def test_tp2_to_tp1_sequential_flow(tp):
     (p_url, _), (d_url, _) = tp["tp-p"], tp["tp-ref"]
     body = body_for(prompt_of(300, 10300))
     want = tokens(post(d_url, body))
+    reset_prefix_cache(d_url)  # D computed the reference: load it, not hit it
     prefill = dispatch.vllm_sequential_prefill_request(body)
     prefill["kv_transfer_params"]["decode_tp_size"] = 1
     p_answer = post(p_url, prefill)

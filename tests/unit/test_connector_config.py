@@ -132,3 +132,12 @@ def test_allowed_prefill_hosts():
     assert receive_params({**ok, "remote_host": "anything"}, None).remote_host == "anything"
     with pytest.raises(ConnectorConfigError, match="allowed host"):
         parse_connector_config({"side_channel_port": 1, "allowed_prefill_hosts": ["a b"]})
+
+
+def test_peer_liveness_bound_defaults_to_5_s_and_is_bounded():
+    assert parse_connector_config({"side_channel_port": 5701}).peer_liveness_s == 5.0
+    config = parse_connector_config({"side_channel_port": 5701, "peer_liveness_s": 30})
+    assert config.peer_liveness_s == 30.0
+    for bad in (0, 0.1, 301, "soon"):
+        with pytest.raises(ConnectorConfigError, match="'peer_liveness_s'"):
+            parse_connector_config({"side_channel_port": 5701, "peer_liveness_s": bad})

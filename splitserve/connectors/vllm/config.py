@@ -61,6 +61,14 @@ class SplitserveConnectorConfig(BaseModel):
     abort_ack_timeout_s: float = Field(
         5.0, gt=0, description="after an ABORT, D waits this long for P's ABORT_ACK before freeing"
     )
+    peer_liveness_s: float = Field(
+        5.0,
+        ge=0.5,
+        le=300.0,
+        description="a side-channel peer whose heartbeats go unanswered this long is dropped "
+        "and its transfers fail; raise it on hosts whose schedulers can stall a process for "
+        "seconds (bounds every failure of a silent peer)",
+    )
     direction: Literal["auto", "push", "pull"] = Field(
         "auto",
         description="who copies the KV when this server is P: push (P WRITEs), pull (P "

@@ -339,7 +339,11 @@ class SplitserveScheduler:
             ports = self.ranks.all_ports(self.config.side_channel_port)
             self._relay_peers = [PeerRef(host=connect, port=port) for port in ports]
             self._relay = SideChannel(
-                None, None, self.config.load_auth_key(), name="splitserve-first-token"
+                None,
+                None,
+                self.config.load_auth_key(),
+                name="splitserve-first-token",
+                liveness_timeout_s=self.config.peer_liveness_s,
             )
         self._relay.receive_connected()  # nothing answers; drop a PeerLost at shutdown
         message = FirstToken(transfer_id=transfer_id, token=token, sampled_wall=time.time())

@@ -205,7 +205,11 @@ class SplitserveWorker:
         key = self.config.load_auth_key()
         port = ranks.port(self.config.side_channel_port)
         self.channel = SideChannel(
-            self.config.side_channel_host, port, key, name=f"splitserve-sc-r{ranks.rank}"
+            self.config.side_channel_host,
+            port,
+            key,
+            name=f"splitserve-sc-r{ranks.rank}",
+            liveness_timeout_s=self.config.peer_liveness_s,
         )
         self.sender = KVSender(
             self.agent,
