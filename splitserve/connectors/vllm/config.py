@@ -65,9 +65,10 @@ class SplitserveConnectorConfig(BaseModel):
         5.0,
         ge=0.5,
         le=300.0,
-        description="a side-channel peer whose heartbeats go unanswered this long is dropped "
-        "and its transfers fail; raise it on hosts whose schedulers can stall a process for "
-        "seconds (bounds every failure of a silent peer)",
+        description="a side-channel peer that does not complete a connection and its handshake, "
+        "or whose heartbeats go unanswered, this long is dropped and its transfers fail; raise "
+        "it on hosts whose schedulers can stall a process for seconds (it bounds every "
+        "failure of an unresponsive peer)",
     )
     direction: Literal["auto", "push", "pull"] = Field(
         "auto",

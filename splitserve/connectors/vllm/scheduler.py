@@ -343,6 +343,7 @@ class SplitserveScheduler:
                 None,
                 self.config.load_auth_key(),
                 name="splitserve-first-token",
+                connect_timeout_s=self.config.peer_liveness_s,
                 liveness_timeout_s=self.config.peer_liveness_s,
             )
         self._relay.receive_connected()  # nothing answers; drop a PeerLost at shutdown

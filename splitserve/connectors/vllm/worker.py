@@ -209,6 +209,7 @@ class SplitserveWorker:
             port,
             key,
             name=f"splitserve-sc-r{ranks.rank}",
+            connect_timeout_s=self.config.peer_liveness_s,
             liveness_timeout_s=self.config.peer_liveness_s,
         )
         self.sender = KVSender(
