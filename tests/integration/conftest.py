@@ -14,6 +14,7 @@ from session_keys import TEST_KEY, key_env, test_key_file
 
 SGLANG_PD_CHUNK = 64
 SGLANG_START_TIMEOUT = 600.0
+SGLANG_PD_START_ATTEMPTS = 3  # a pair that fails to start is started again on fresh ports
 
 
 @dataclass(frozen=True)
@@ -103,25 +104,39 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
     pytest.importorskip("sglang")
     pytest.importorskip("sglang_router")
     from splitserve.launch.engines import sglang_router, sglang_server
+    from splitserve.launch.process import ProcessStartError
     from splitserve.netutil import free_ports
 
     group = servers.group
     model = str(tiny_model)
-    if "sglang-pd-prefill" not in group.servers:
-        p_port, d_port, bootstrap = free_ports(3)
-        common = dict(
-            served_model_name="tiny",
-            transfer_backend="splitserve",
-            chunked_prefill_size=SGLANG_PD_CHUNK,
-            extra_args=["--enable-metrics"],
-            env={"SPLITSERVE_SGLANG_TIMELINE": "1"},
-        )
-        p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
-        d = sglang_server(model, d_port, mode="decode", **common)
-        group.add("sglang-pd-prefill", p.argv, port=p_port, env={**p.env, **key_env()})
-        group.add("sglang-pd-decode", d.argv, port=d_port, env={**d.env, **key_env()})
     names = ["sglang-pd-prefill", "sglang-pd-decode"]
-    group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
+    for attempt in range(1, SGLANG_PD_START_ATTEMPTS + 1):
+        if "sglang-pd-prefill" not in group.servers:
+            for name in names:  # a pair is started together, on ports picked together
+                stale = group.servers.pop(name, None)
+                if stale is not None:
+                    stale.process.stop()
+            p_port, d_port, bootstrap = free_ports(3)
+            common = dict(
+                served_model_name="tiny",
+                transfer_backend="splitserve",
+                chunked_prefill_size=SGLANG_PD_CHUNK,
+                extra_args=["--enable-metrics"],
+                env={"SPLITSERVE_SGLANG_TIMELINE": "1"},
+            )
+            p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
+            d = sglang_server(model, d_port, mode="decode", **common)
+            group.add("sglang-pd-prefill", p.argv, port=p_port, env={**p.env, **key_env()})
+            group.add("sglang-pd-decode", d.argv, port=d_port, env={**d.env, **key_env()})
+        try:
+            group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
+            break
+        except ProcessStartError:
+            # A port picked free can be taken before the server binds it (CI: "address
+            # already in use" on P's HTTP port): start the pair again on fresh ports.
+            group.servers.pop("sglang-pd-prefill", None)
+            if attempt == SGLANG_PD_START_ATTEMPTS:
+                raise
     p_server = group.servers["sglang-pd-prefill"]
     argv = p_server.process.argv
     bootstrap = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
