@@ -57,6 +57,7 @@ from session_keys import key_env
 pytest.importorskip("sglang")
 
 from splitserve.launch.engines import sglang_server  # noqa: E402
+from splitserve.launch.process import ProcessStartError  # noqa: E402
 from splitserve.netutil import free_port, free_ports  # noqa: E402
 from splitserve.proxy.background import BackgroundProxy  # noqa: E402
 from splitserve.proxy.config import build_config  # noqa: E402
@@ -66,6 +67,7 @@ pytestmark = pytest.mark.integration
 CHUNK = 64
 LONG = 40 * CHUNK
 START_TIMEOUT = 600.0
+START_ATTEMPTS = 3  # a server that fails to start is started again on fresh ports
 WAIT_S = 300.0  # bound on every wait below (a loaded 2-core machine is slow, never hung)
 LEASE_S = 10.0  # small, so that a freeze can outlast it (docs/sglang.md, "Failures")
 ENV = {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "120", "SPLITSERVE_SGLANG_LEASE_S": str(LEASE_S)}
@@ -89,6 +91,7 @@ class Pair:
     def __init__(self, group, model: str) -> None:
         self.group, self.model = group, model
         self.keys: list[str] = []
+        self.modes: dict[str, str] = {}
         self.bootstrap: dict[str, int] = {}
 
     def start(self, key: str, mode: str) -> None:
@@ -111,9 +114,19 @@ class Pair:
         )
         self.group.add(key, cmd.argv, port=port, env=cmd.env)
         self.keys.append(key)
+        self.modes[key] = mode
 
     def wait(self, *keys: str) -> None:
-        self.group.wait(START_TIMEOUT, names=list(keys), stop_group_on_failure=False)
+        """Wait for the servers; one that fails to start is started again on fresh ports (a
+        port picked free can be taken before SGLang binds it: "address already in use")."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self.group.wait(START_TIMEOUT, names=list(keys), stop_group_on_failure=False)
+                return
+            except ProcessStartError as e:  # the group stopped and dropped that server
+                if attempt == START_ATTEMPTS or e.name not in self.modes:
+                    raise
+                self.start(e.name, self.modes[e.name])
 
     def url(self, key: str) -> str:
         return self.group.servers[key].url
