@@ -66,6 +66,18 @@ markdown table on stdout and, when matplotlib is importable, a PNG next to the J
     python benchmarks/handoff.py --lengths 512 1024 2048 4096 --repeats 3 \\
         --transports default tcp --out results/handoff.json
 
+Heterogeneous tensor parallelism (named only with ``--contenders``): ``splitserve-tp2`` is P
+with TP 2 feeding D with TP 1 through the proxy's concurrent flow (each P rank's share of the
+KV heads streamed per layer; D loads two shares), ``nixl-tp2`` the same sizes with stock
+``NixlConnector`` (sequential flow; D reads each P rank's heads). P's two ranks share core 0,
+the compute of the TP 1 pairs' P, so TTFT against ``colocated`` shows what the ranks' transfers
+and all-reduces cost, not a speed-up; on 2 cores the rows are about the overlap holding per rank
+(exposed handoff), not about TP's speed:
+
+    python benchmarks/handoff.py --transports default --lengths 512 2048 --repeats 3 \
+        --contenders colocated splitserve-concurrent splitserve-tp2 nixl nixl-tp2 \
+        --out results/handoff_tp.json
+
 With ``--testbed`` it runs the viability-line sweep instead (issue #16): P and D on separate
 test-bed hosts over shaped links, push, pull and stock ``NixlConnector`` against the planner's
 prediction (``handoffbench/testbed.py`` says what it measures, ``handoffbench/viability.py`` how
@@ -109,6 +121,8 @@ CONTENDERS = [
     "sglang-nixl",
     "sglang-mooncake-tcp",
 ]
+# Named only with --contenders: P with tensor parallel 2 feeding a D with 1 (issue #17).
+TP_CONTENDERS = ["splitserve-tp2", "nixl-tp2"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -116,7 +130,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", help="default 512 1024 2048 4096")
     parser.add_argument("--repeats", type=int, help="default 3")
     parser.add_argument("--transports", nargs="+", default=["default", "tcp"])
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS))
+    import handoff_sglang  # benchmarks/handoff_sglang.py, next to this script
+
+    known = sorted(set(CONTENDERS + TP_CONTENDERS + handoff_sglang.CONTENDERS))
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=known)
     parser.add_argument("--out", type=Path, default=Path("results/handoff.json"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -11,6 +11,7 @@ retry on a fresh port (``splitserve.launch.group``).
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 import urllib.error
 import urllib.request
@@ -35,6 +36,29 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A base port with ``count`` consecutive free ports (a tensor-parallel server's side
+    channels: rank r binds base + r). ``count`` 1 is ``free_port``."""
+    if count <= 1:
+        return free_port(host)
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {count} free ports on {host} in {attempts} tries")
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

@@ -3,7 +3,10 @@ contenders' flows over it, and one row per request (written out as they come).
 
 A kind is a pair of servers: ``splitserve`` (``colocated``, both proxied flows and the
 sequential flow share it), ``splitserve-push`` (the first-token flow with ``"direction":
-"push"``), ``nixl`` and ``nixl-push`` (stock connectors, sequential flow).
+"push"``), ``nixl`` and ``nixl-push`` (stock connectors, sequential flow), and the
+heterogeneous tensor-parallel pairs ``splitserve-tp2`` (P TP 2 -> D TP 1, the concurrent flow
+through the proxy) and ``nixl-tp2`` (the same sizes with the stock ``NixlConnector``,
+sequential flow).
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ CONNECTORS = {
     "nixl": "NixlConnector",
     "nixl-push": "NixlPushConnector",
     "splitserve-push": "splitserve",
+    "splitserve-tp2": "splitserve",
+    "nixl-tp2": "NixlConnector",
 }
+# Kinds whose P runs tensor parallel 2 (D TP 1).
+PREFILL_TP = {"splitserve-tp2": 2, "nixl-tp2": 2}
 Flow = Callable[[dict, dict], dict]
 
 
@@ -43,7 +50,7 @@ def server_kinds(contenders: list[str]) -> list[str]:
         kinds.append("splitserve")
     if "splitserve-first-token-push" in contenders:
         kinds.append("splitserve-push")
-    kinds += [k for k in ("nixl", "nixl-push") if k in contenders]
+    kinds += [k for k in ("nixl", "nixl-push", "splitserve-tp2", "nixl-tp2") if k in contenders]
     return kinds
 
 
@@ -52,6 +59,9 @@ def flows(kind: str, pair: dict, proxies: list) -> dict[str, Flow]:
     if kind == "splitserve-push":
         first = start_proxy(pair, True, proxies)
         return {"splitserve-first-token-push": lambda p, b, u=first: run_proxied(p, b, u)}
+    if kind == "splitserve-tp2":
+        plain = start_proxy(pair, False, proxies)
+        return {kind: lambda p, b, u=plain: run_proxied(p, b, u)}
     if kind == "splitserve":
         plain, first = (start_proxy(pair, on, proxies) for on in (False, True))
         return {
@@ -111,7 +121,7 @@ def vllm_rows(
             try:
                 pair = start_pair(
                     group, f"{kind}-{transport}", model, connector, env, max_len,
-                    args.kv_cache_gib, direction,
+                    args.kv_cache_gib, direction, PREFILL_TP.get(kind, 1),
                 )  # fmt: skip
                 runs = {n: fn for n, fn in flows(kind, pair, proxies).items() if n in contenders}
                 run_sequential(pair, request_body(64, rng), connector == "splitserve")  # warm-up

@@ -10,20 +10,32 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.launch.group import ServerGroup
-from splitserve.netutil import free_ports
+from splitserve.netutil import free_port_run, free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
 
 START_TIMEOUT = 900.0
+# P with tensor parallelism on its one core: one OpenMP thread per rank, unbound (the tree is
+# pinned to the core instead), and no lazy inductor compile of vLLM's TP embedding helper at
+# the first forward (60-70 s holding the GIL: docs/connector-protocol.md, "Ranks").
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+# Two ranks and their gloo threads time-sharing one core stall for seconds (ibid.): the side
+# channel's silent-peer bound is raised for TP pairs so that a stall is slow, not a failure.
+TP_PEER_LIVENESS_S = 60
 
 
-def splitserve_kv(side_channel_port: int, direction: str = "auto") -> dict:
-    """``SplitserveConnector``'s config on a server whose side channel is on that port."""
+def splitserve_kv(
+    side_channel_port: int, direction: str = "auto", tp_settings: dict | None = None
+) -> dict:
+    """``SplitserveConnector``'s config on a server whose side channel is on that port (rank r
+    of a TP server on port + r); ``tp_settings``: the other side's size (``decode_tp_size`` on
+    P, ``prefill_tp_size`` on D) and a side-channel liveness bound for TP on one core."""
     extra: dict[str, Any] = {
         "side_channel_port": side_channel_port,
         # Generous deadlines: a loaded machine must show up as slow, not as failed loads.
         "lease_s": 600,
         "done_timeout_s": 900,
+        **(tp_settings or {}),
     }
     if direction != "auto":
         extra["direction"] = direction
@@ -68,6 +80,7 @@ def start_pair(
     max_len: int = 8192,
     kv_gib: int = 4,
     direction: str = "auto",
+    prefill_tp: int = 1,
 ) -> dict:
     """P on core 0, D on core 1; returns urls and P's side channel port.
 
@@ -75,15 +88,28 @@ def start_pair(
     if P and D were separate hosts: a D whose requests wait for KV steps vLLM's engine loop
     and its shared-memory queues busy-poll for a second after every message, which on a
     shared core would slow P's prefill (measured: docs/benchmarks.md, "Handoff"). The colocated
-    row uses the same P server, so it gets the same one core."""
+    row uses the same P server, so it gets the same one core. ``prefill_tp`` > 1: P runs that
+    many tensor-parallel ranks (vLLM's multiprocessing executor), all on core 0, so that P has
+    the compute of the TP 1 pairs it is compared with; D stays TP 1."""
     http = free_ports(2)
-    side = free_ports(2)
+    # P's ranks bind our side channel on consecutive ports (stock NIXL: one port per server)
+    side = [free_port_run(prefill_tp), free_ports(1)[0]]
     extra = ["--max-model-len", str(max_len), "--max-num-batched-tokens", "2048"]
     servers = {}
     for role, core in (("p", 0), ("d", 1)):
         server_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
+        tp = prefill_tp if role == "p" else 1
+        args = list(extra)
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+            server_env.update(TP_ENV)
+        if prefill_tp > 1:  # both sides of a TP pair name the other's size
+            other = {"decode_tp_size": 1} if role == "p" else {"prefill_tp_size": prefill_tp}
+            tp_settings = {"peer_liveness_s": TP_PEER_LIVENESS_S, **other}
+        else:
+            tp_settings = None
         if kind == "splitserve":
-            kv = splitserve_kv(side[core], direction)
+            kv = splitserve_kv(side[core], direction, tp_settings)
         else:
             kv = nixl_kv(kind, role)
             server_env.update(
@@ -96,8 +122,8 @@ def start_pair(
             port=http[core],
             served_model_name="bench",
             kv_transfer_config=kv,
-            extra_args=extra,
-            cpu_core=core,
+            extra_args=args,
+            cpu_core=core if tp == 1 else None,
             cpus=[core],
             env=server_env,
         )

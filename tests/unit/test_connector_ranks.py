@@ -1,6 +1,6 @@
 """SplitserveConnector under tensor parallelism: the port of each rank, what is refused (with
 both sizes named), the layouts' shard check at HELLO, and both halves' per-rank behaviour,
-against fakes. Real servers (P TP 2 -> D TP 2): tests/integration/manual_tensor_parallel.py.
+against fakes. Real servers (P TP 2 -> D TP 2): tests/integration/test_tensor_parallel.py.
 """
 
 from __future__ import annotations

@@ -24,31 +24,31 @@ run under a load average of 11 failed: P's prefill of 127 tokens took 10 s and i
 channels missed D's 5 s heartbeat bound).
 What vLLM CPU needs for TP 2 here is in docs/connector-protocol.md, "Ranks".
 
-**Not in ``make test``** (the file name does not match ``test_*.py``): it adds about 3.5
-minutes to the suite, and on our 2 cores it passes only with the two settings above
-(``TORCHDYNAMO_DISABLE``, ``peer_liveness_s`` 60: docs/connector-protocol.md, "Ranks"),
-shown in too few runs yet. Run it by hand::
-
-    .venv/bin/python -m pytest -q tests/integration/manual_tensor_parallel.py
+In ``make test``: on our 2 cores it passes with the two settings above (``TORCHDYNAMO_DISABLE``,
+``peer_liveness_s`` 60: docs/connector-protocol.md, "Ranks"). The last test kills a rank of
+``tp-d``, so it runs last and nothing after it may need ``tp-d``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import TEST_KEY
 from session_keys import test_key_file as key_file
 
 from splitserve.models import build_model, resolve_spec
+from splitserve.netutil import free_port_run
 from splitserve.proxy import dispatch
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
@@ -79,26 +79,6 @@ LEASE_S = 20
 D_NICE = 10
 
 
-def _free_run(count: int) -> int:
-    """A base port with ``count`` consecutive free ports (one side channel per rank)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no run of {count} free ports")
-
-
 def _kv_config(side_port: int, **settings) -> dict:
     return {
         "kv_connector": "SplitserveConnector",
@@ -124,7 +104,7 @@ def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
     sizes = {"tp-p": 2, "tp-d": 2, "tp-ref": 1}
     sides: dict[str, int] = {}
     for key, size in sizes.items():
-        sides[key] = _free_run(size)
+        sides[key] = free_port_run(size)
         servers.vllm(
             key,
             Path(model),
@@ -171,6 +151,9 @@ def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> dict:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+    except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as exc:
+        # a server that died with the request
+        return {"connection_error": repr(exc)}
 
 
 def body_for(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
@@ -421,3 +404,63 @@ def test_a_size_that_cannot_pair_fails_the_request_naming_both_sizes(tp):
     assert "prefill tensor parallel size 3, decode tensor parallel size 2" in text
     wait_kv_usage_zero(d_url)
     wait_kv_usage_zero(p_url)
+
+
+# -- a D rank killed mid-transfer (last: it ends tp-d) -------------------------------------------
+
+
+def rank_process(server_pid: int, rank: int) -> psutil.Process:
+    """The server's TP worker of ``rank`` (vLLM titles it ``VLLM::Worker_TP<rank>``)."""
+    title = f"Worker_TP{rank}"
+    for proc in psutil.Process(server_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(title in part for part in proc.cmdline()):
+                return proc
+    raise AssertionError(f"no process titled {title} under server pid {server_pid}")
+
+
+def test_a_d_rank_killed_mid_transfer_fails_the_request_and_p_frees_every_rank(tp, servers):
+    """D TP 2's rank 1 is killed as P TP 2 starts a four-chunk prompt for it: D's request
+    fails as a whole (vLLM's executor ends the server with its rank; the client gets an
+    error, never tokens), P's answer is unharmed, P frees the request's blocks on both ranks
+    (vLLM frees them only when every rank has finished sending: KV usage back to 0), each P
+    rank logs its share failed or expired, and P then serves P TP 2 -> D TP 1 right."""
+    (p_url, p_side), (d_url, _) = tp["tp-p"], tp["tp-d"]
+    victim = rank_process(servers.group.servers["tp-d"].process.pid, 1)
+    transfer_id = dispatch.new_transfer_id()
+    # 40 tokens: D decodes long after its KV is in, so no answer can beat the kill
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt_of(2000, 10500), max_tokens=40), transfer_id, "127.0.0.1", p_side
+    )
+    with ThreadPoolExecutor(2) as pool:
+        d_future = pool.submit(post, d_url, decode)
+        end = time.monotonic() + 120
+        # D's scheduler holds the request (waiting for its KV) and registers it on P's ranks
+        while metric_sum(fetch_metrics(d_url), "vllm:num_requests_waiting") < 1:
+            assert time.monotonic() < end, "D never held the request"
+            time.sleep(0.05)
+        # The kill follows P's request at once: D's executor ends the server within a second
+        # or so, while P's ranks compute and send their shares (rank 0's may land, rank 1's
+        # cannot); however that interleaves, no share may complete D's request
+        p_future = pool.submit(post, p_url, prefill)
+        victim.kill()
+        d_answer, p_answer = d_future.result(), p_future.result()
+    assert "choices" not in d_answer, f"D answered without its rank 1: {d_answer}"
+    assert "choices" in p_answer, p_answer
+    wait_kv_usage_zero(p_url)
+    shares = [
+        line
+        for line in log_text(tp, "tp-p").splitlines()
+        if transfer_id in line and ("-> failed" in line or "-> expired" in line)
+    ]
+    for rank in (0, 1):
+        assert any(f"Worker_TP{rank}" in line for line in shares), (
+            f"P rank {rank} logged no failed share of {transfer_id}: {shares}"
+        )
+    body = body_for(prompt_of(300, 10600))
+    want = tokens(post(tp["tp-ref"][0], body))
+    reset_prefix_cache(tp["tp-ref"][0])
+    answer = concurrent(
+        tp["tp-p"], tp["tp-ref"], body["prompt"], remote_tp_size=2, decode_tp_size=1
+    )
+    assert_same(answer, want, "P TP 2 -> D TP 1 after D TP 2's rank died")
