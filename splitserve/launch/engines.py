@@ -39,6 +39,30 @@ CPU_VLLM_ENV = {
 }
 
 
+# Added on a CPU machine when the server runs tensor parallel: with TP > 1 vLLM's embedding calls
+# a ``torch.compile``d helper (``get_masked_input_and_mask``, inductor on CPU) that compiles at
+# the first forward, 60-70 s on 2 cores holding the GIL, long enough for a connector's side
+# channel handshakes to time out (docs/connector-protocol.md, "Ranks"). Eager, like every other
+# op of a ``--enforce-eager`` CPU server. A caller's ``env`` still wins.
+CPU_TP_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+
+
+def tensor_parallel_size(argv: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` (or ``-tp``) an engine command line asks for; 1 if none."""
+    size = 1
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in ("--tensor-parallel-size", "-tp"):
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            size = int(value)
+        except ValueError:
+            continue  # the engine's own argument parser reports it
+    return size
+
+
 # vLLM's ``--middleware`` for servers with SplitserveConnector: refuses malformed
 # ``kv_transfer_params`` and a ``remote_host`` outside the connector's ``allowed_prefill_hosts``
 # with a 400 naming the field (``splitserve.connectors.vllm.middleware``; docs/security.md).
@@ -65,7 +89,8 @@ def vllm_server(
     Started as ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm`` console
     script of the CPU wheel is broken. On a CPU machine: fp32 (2.4x faster than bf16 without
     AVX512-BF16), eager mode, and ``cpu_core`` pins the server's OpenMP threads to one core so
-    two servers side by side do not fight.
+    two servers side by side do not fight (with ``--tensor-parallel-size`` in ``extra_args``,
+    every rank's; and ``CPU_TP_ENV``).
     """
     argv = [
         python or sys.executable,
@@ -88,8 +113,12 @@ def vllm_server(
         argv += ["--middleware", path]
     argv += list(extra_args)
     full_env = dict(CPU_VLLM_ENV) if cpu else {}
+    ranks = tensor_parallel_size(argv)
     if cpu and cpu_core is not None:
-        full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+        # one core list per rank (vLLM asserts it): every rank on the server's core
+        full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(cpu_core)] * ranks)
+    if cpu and ranks > 1:
+        full_env.update(CPU_TP_ENV)
     full_env.update(env or {})
     return ServerCommand(argv=argv, env=full_env)
 

@@ -1,0 +1,50 @@
+"""Unit tests of our own command building for vLLM servers (``splitserve.launch.engines``):
+pure string and environment logic, no engine started."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.launch.engines import CPU_TP_ENV, tensor_parallel_size, vllm_server
+
+
+@pytest.mark.parametrize(
+    ("argv", "size"),
+    [
+        ([], 1),
+        (["--max-model-len", "2048"], 1),
+        (["--tensor-parallel-size", "2"], 2),
+        (["--tensor-parallel-size=4"], 4),
+        (["-tp", "8"], 8),
+        (["--tensor-parallel-size"], 1),  # no value: vLLM's parser reports it
+        (["--tensor-parallel-size", "two"], 1),
+    ],
+)
+def test_tensor_parallel_size_from_the_command_line(argv, size):
+    assert tensor_parallel_size(argv) == size
+
+
+def test_a_tp_cpu_server_runs_eager_and_binds_every_rank_to_its_core():
+    cmd = vllm_server("m", 8000, extra_args=["--tensor-parallel-size", "2"], cpu_core=1)
+    assert cmd.env["TORCHDYNAMO_DISABLE"] == CPU_TP_ENV["TORCHDYNAMO_DISABLE"] == "1"
+    assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "1|1"
+
+
+def test_a_tp_1_cpu_server_keeps_dynamo_and_one_core_list():
+    cmd = vllm_server("m", 8000, cpu_core=0)
+    assert "TORCHDYNAMO_DISABLE" not in cmd.env
+    assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_the_callers_environment_wins_and_gpu_servers_get_nothing_of_it():
+    cmd = vllm_server(
+        "m",
+        8000,
+        extra_args=["-tp", "2"],
+        env={"TORCHDYNAMO_DISABLE": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        cpu_core=0,
+    )
+    assert cmd.env["TORCHDYNAMO_DISABLE"] == "0"
+    assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    gpu = vllm_server("m", 8000, extra_args=["-tp", "2"], cpu=False)
+    assert "TORCHDYNAMO_DISABLE" not in gpu.env
