@@ -18,19 +18,16 @@ D's greedy tokens and log-probs equal a colocated server's (garbage KV would cha
 
 from __future__ import annotations
 
-import json
-import random
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from session_keys import test_key_file as key_file
+from token_requests import body_for, post, prompt_of, tokens
 
 from splitserve.connectors.lmcache.settings import LMCacheSettings, composed_kv_config
 from splitserve.netutil import free_ports, port_in_use
@@ -41,7 +38,6 @@ pytest.importorskip("lmcache")
 CHUNK = 256
 DOC_TOKENS = 1500
 QUESTION_TOKENS = 40
-MAX_TOKENS = 6
 
 
 def lmcache_env(remote_port: int) -> dict[str, str]:
@@ -127,39 +123,8 @@ def fleet(servers, tiny_model, remote_tier):
     return {**urls, "p2-side": p2_side}
 
 
-def post(url: str, body: dict, timeout: float = 300.0) -> dict:
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
-
-
-def body_for(prompt: list[int]) -> dict:
-    return {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "logprobs": 1,
-        "return_token_ids": True,
-    }
-
-
 def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
-
-
-def tokens(answer: dict) -> tuple[list[int], list[float]]:
-    assert "choices" in answer, f"no completion: {answer}"
-    choice = answer["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    return prompt_of(n, seed, low=10)
 
 
 def handoff(p_url: str, d_url: str, prompt: list[int]) -> dict:

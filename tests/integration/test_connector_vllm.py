@@ -18,16 +18,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import token_requests
 import zmq
 from metrics_text import fetch_metrics, metric_sum
 from server_logs import warnings_of
+from token_requests import MAX_TOKENS, assert_same, body_for, prompt_of, tokens, wait_kv_usage_zero
 
 from splitserve.netutil import free_ports
 from splitserve.proxy import dispatch
@@ -36,7 +37,6 @@ from splitserve.transfer import messages
 pytestmark = pytest.mark.integration
 
 BLOCK = 128
-MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -49,41 +49,8 @@ def pair(ss_pair):
 
 
 def post(url: str, body: dict, timeout: float = 300.0) -> dict:
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        answer = {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
-        if exc.code >= 500:  # CI shows the failure's one line: say what the server logged
-            answer["server_log"] = warnings_of(url)
-        return answer
-
-
-def body_for(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
-    return {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": 1,
-        "return_token_ids": True,
-    }
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 1000) for _ in range(length)]
-
-
-def tokens(answer: dict) -> tuple[list[int], list[float]]:
-    assert "choices" in answer, f"no completion: {answer}"
-    choice = answer["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    # CI shows a failure's one line: a 5xx says what the server logged
+    return token_requests.post(url, body, timeout, lambda u: {"server_log": warnings_of(u)})
 
 
 def reference(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -139,16 +106,6 @@ FLOWS = {
 }
 
 
-def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> None:
-    got_ids, got_lp = tokens(answer)
-    ref_ids, ref_lp = ref
-    assert got_ids == ref_ids, f"{what}: tokens {got_ids} != colocated {ref_ids}"
-    # Greedy tokens of a random model repeat a lot; log-probs catch a wrong KV that happens to
-    # pick the same tokens.
-    for got, want in zip(got_lp, ref_lp, strict=True):
-        assert abs(got - want) < 1e-2, f"{what}: logprobs {got_lp} != colocated {ref_lp}"
-
-
 def metric(url: str, name: str) -> float:
     """Sum of a metric's samples on ``url``'s ``/metrics`` (every label set)."""
     return metric_sum(fetch_metrics(url), name)
@@ -164,17 +121,6 @@ def wait_metric_at_least(url: str, name: str, want: float, bound: float = 30.0) 
         assert time.monotonic() < end, f"{url}: {name} {got} did not reach {want}"
         time.sleep(0.5)
         got = metric(url, name)
-
-
-def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:
-    end = time.monotonic() + bound
-    usage = None
-    while time.monotonic() < end:
-        usage = metric(url, "vllm:kv_cache_usage_perc")
-        if usage == 0.0:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{url}: KV cache usage {usage} did not return to 0 (leak)")
 
 
 def roles(pair, flow: str):

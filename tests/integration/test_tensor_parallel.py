@@ -32,9 +32,7 @@ In ``make test``: on our 2 cores it passes with the two settings above (``TORCHD
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
-import random
 import time
 import urllib.error
 import urllib.request
@@ -43,9 +41,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import token_requests
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import TEST_KEY
 from session_keys import test_key_file as key_file
+from token_requests import assert_same, body_for, prompt_of, tokens
 
 from splitserve.models import build_model, resolve_spec
 from splitserve.netutil import free_port_run
@@ -56,7 +56,6 @@ from splitserve.proxy.config import build_config
 pytestmark = pytest.mark.integration
 
 BLOCK = 128
-MAX_TOKENS = 6
 BUDGET = 512  # P's --max-num-batched-tokens: a 1300-token prompt is three chunks
 # VLLM_SERVER_DEV_MODE: /reset_prefix_cache, so a reference computed on the D it is compared
 # with is not then served from D's own prefix cache instead of loaded (reset_prefix_cache).
@@ -141,49 +140,7 @@ def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
 
 
 def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> dict:
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
-    except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as exc:
-        # a server that died with the request
-        return {"connection_error": repr(exc)}
-
-
-def body_for(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
-    return {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": 1,
-        "return_token_ids": True,
-    }
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 1000) for _ in range(length)]
-
-
-def tokens(answer: dict) -> tuple[list[int], list[float]]:
-    assert "choices" in answer, f"no completion: {answer}"
-    choice = answer["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
-def assert_same(answer: dict, ref: tuple[list[int], list[float]], what: str) -> None:
-    got_ids, got_lp = tokens(answer)
-    ref_ids, ref_lp = ref
-    assert got_ids == ref_ids, f"{what}: tokens {got_ids} != colocated TP 1 {ref_ids}"
-    for got, want in zip(got_lp, ref_lp, strict=True):
-        assert abs(got - want) < 1e-2, f"{what}: logprobs {got_lp} != colocated {ref_lp}"
+    return token_requests.post(url, body, timeout)
 
 
 def concurrent(
@@ -215,15 +172,8 @@ def concurrent(
     return {"choices": [choice]}
 
 
-def wait_kv_usage_zero(url: str, bound: float = 3.0 * LEASE_S) -> None:
-    end = time.monotonic() + bound
-    usage = None
-    while time.monotonic() < end:
-        usage = metric_sum(fetch_metrics(url), "vllm:kv_cache_usage_perc")
-        if usage == 0.0:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{url}: KV cache usage {usage} did not return to 0 (leak)")
+def wait_kv_usage_zero(url: str) -> None:
+    token_requests.wait_kv_usage_zero(url, bound=3.0 * LEASE_S)
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -257,6 +207,31 @@ def log_text(tp, key: str) -> str:
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 1300]
 
 
+def assert_rows_equal_colocated(
+    tp, p_key: str, d_key: str, seed: int, first_token: bool, reset_d: bool = False, **sizes
+) -> None:
+    """Every prompt of ``LENGTHS`` from P to D in the concurrent flow equals ``tp-ref``'s
+    colocated answer (tokens and logprobs); D counts two loads per request (one per D rank,
+    or one per P rank's share when D is narrower), fails none, and both free every block.
+    ``reset_d``: D is the reference server itself, so its prefix cache is emptied before each
+    load (else it would serve the prompt it just computed instead of loading it)."""
+    p, d, what = tp[p_key], tp[d_key], f"{p_key} -> {d_key}"
+    loads = "vllm:splitserve_loads_completed_total"
+    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
+    for i, length in enumerate(LENGTHS):
+        prompt = prompt_of(length, seed + i)
+        want = tokens(post(tp["tp-ref"][0], body_for(prompt)))
+        if reset_d:
+            reset_prefix_cache(d[0])
+        assert_same(concurrent(p, d, prompt, first_token, **sizes), want, f"{what}, {length}")
+    # A one-token prompt has nothing to load unless P's first token comes with the KV.
+    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
+    wait_metric(d[0], loads, loaded + 2 * requests_loaded)
+    assert failed_loads(d[0]) == before
+    wait_kv_usage_zero(p[0])
+    wait_kv_usage_zero(d[0])
+
+
 # -- P TP 2 -> D TP 2 ----------------------------------------------------------------------------
 
 
@@ -264,18 +239,7 @@ LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 1300]
 def test_tp2_to_tp2_equals_colocated_tp1(tp, first_token):
     """Every rank moves its own heads: a wrong or missing rank shows in tokens and logprobs;
     each load is counted once per rank (two per request), so both ranks transferred."""
-    p, d, ref = tp["tp-p"], tp["tp-d"], tp["tp-ref"]
-    loads = "vllm:splitserve_loads_completed_total"
-    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
-    seed = 9000 + 100 * first_token
-    for i, length in enumerate(LENGTHS):
-        prompt = prompt_of(length, seed + i)
-        answer = concurrent(p, d, prompt, first_token)
-        assert_same(answer, tokens(post(ref[0], body_for(prompt))), f"{length} tokens")
-    # A one-token prompt has nothing to load unless P's first token comes with the KV.
-    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
-    wait_metric(d[0], loads, loaded + 2 * requests_loaded)
-    assert failed_loads(d[0]) == before
+    assert_rows_equal_colocated(tp, "tp-p", "tp-d", 9000 + 100 * first_token, first_token)
     text = log_text(tp, "tp-d")
     assert "tensor parallel rank 0 of 2" in text and "tensor parallel rank 1 of 2" in text
 
@@ -322,20 +286,8 @@ def test_through_the_proxy_both_concurrent_flows(tp):
 def test_tp1_to_tp2_equals_colocated_tp1(tp, first_token):
     """Each D rank gets its two of P's four heads (a sub-run of P's blocks): a wrong slice
     shows in tokens and logprobs; each load counts once per D rank; P frees every share."""
-    p, d, ref = tp["tp-ref"], tp["tp-d"], tp["tp-ref"]
-    loads = "vllm:splitserve_loads_completed_total"
-    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
     seed = 9700 + 100 * first_token
-    for i, length in enumerate(LENGTHS):
-        prompt = prompt_of(length, seed + i)
-        want = tokens(post(ref[0], body_for(prompt)))
-        answer = concurrent(p, d, prompt, first_token, remote_tp_size=1)
-        assert_same(answer, want, f"P TP 1 -> D TP 2, {length} tokens")
-    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
-    wait_metric(d[0], loads, loaded + 2 * requests_loaded)
-    assert failed_loads(d[0]) == before
-    wait_kv_usage_zero(p[0])
-    wait_kv_usage_zero(d[0])
+    assert_rows_equal_colocated(tp, "tp-ref", "tp-d", seed, first_token, remote_tp_size=1)
 
 
 def test_tp1_to_tp2_sequential_flow(tp):
@@ -357,21 +309,10 @@ def test_tp1_to_tp2_sequential_flow(tp):
 def test_tp2_to_tp1_equals_colocated_tp1(tp, first_token):
     """D's one rank loads two shares, one from each P rank (its heads 0-1 and 2-3, each a
     sub-run of D's blocks): a missing share shows in tokens and logprobs; P frees on both."""
-    p, d, ref = tp["tp-p"], tp["tp-ref"], tp["tp-ref"]
-    loads = "vllm:splitserve_loads_completed_total"
-    before, loaded = failed_loads(d[0]), metric_sum(fetch_metrics(d[0]), loads)
     seed = 10100 + 100 * first_token
-    for i, length in enumerate(LENGTHS):
-        prompt = prompt_of(length, seed + i)
-        want = tokens(post(ref[0], body_for(prompt)))
-        reset_prefix_cache(d[0])  # D is the reference: its cache would serve the load
-        answer = concurrent(p, d, prompt, first_token, remote_tp_size=2, decode_tp_size=1)
-        assert_same(answer, want, f"P TP 2 -> D TP 1, {length} tokens")
-    requests_loaded = len(LENGTHS) - (0 if first_token else 1)
-    wait_metric(d[0], loads, loaded + 2 * requests_loaded)  # one load per share
-    assert failed_loads(d[0]) == before
-    wait_kv_usage_zero(p[0])
-    wait_kv_usage_zero(d[0])
+    assert_rows_equal_colocated(
+        tp, "tp-p", "tp-ref", seed, first_token, reset_d=True, remote_tp_size=2, decode_tp_size=1
+    )
 
 
 def test_tp2_to_tp1_sequential_flow(tp):
