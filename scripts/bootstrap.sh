@@ -8,6 +8,7 @@
 #      builds break `import transformers` ("operator torchvision::nms does not exist").
 #   4. SGLang over that stack (scripts/install_sglang_cpu.sh: --no-deps, light deps, the
 #      torchvision workaround, CPU test shims).
+#   5. LMCache over it (scripts/install_lmcache_cpu.sh: --no-deps; docs/lmcache.md, "Install").
 # On a GPU machine it installs the `vllm` extra instead (SGLang there: pip install '.[sglang]'
 # in its own environment; its CUDA pins differ from vLLM's).
 #
@@ -85,7 +86,8 @@ print(json.dumps([d.get("build-system"), d.get("project")], sort_keys=True))
 PYEOF
 }
 SPEC=$(install_spec) || fail "pyproject.toml does not parse" "fix the TOML syntax error above"
-KEY=$( { cat scripts/bootstrap.sh scripts/install_sglang_cpu.sh tests/shims/sglang_cpu/*; \
+KEY=$( { cat scripts/bootstrap.sh scripts/install_sglang_cpu.sh scripts/install_lmcache_cpu.sh \
+        tests/shims/sglang_cpu/*; \
         echo "$SPEC"; echo "$DEVICE"; "$PY" -VV; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ]; then
     echo "bootstrap: $VENV is up to date ($DEVICE), nothing to install"
@@ -108,6 +110,9 @@ if [ "$DEVICE" = cpu ]; then
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     # SGLang (--no-deps over the CPU stack) and its CPU-only test shims: see that script.
     bash scripts/install_sglang_cpu.sh "$VENV" || fail "installing SGLang failed" \
+        "read the error above; rerun 'make env' once fixed"
+    # LMCache (--no-deps beside vLLM and SGLang) for the prefill pool's shared prefix cache.
+    bash scripts/install_lmcache_cpu.sh "$VENV" || fail "installing LMCache failed" \
         "read the error above; rerun 'make env' once fixed"
 else
     "${PIP[@]}" install -q -e ".[vllm,dev]" || fail "installing splitserve[vllm,dev] failed" \

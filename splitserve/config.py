@@ -17,7 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from splitserve.connectors.lmcache.settings import LMCacheSettings
 from splitserve.models import PRESETS, ModelSpec
+from splitserve.netutil import is_loopback
 from splitserve.proxy.config import ProxyConfig, describe_validation_error
 from splitserve.transfer.tp import tp_mismatch
 
@@ -242,6 +244,12 @@ class Deployment(_Strict):
         description="Settings of the Kubernetes manifests (`splitserve up CONFIG --emit "
         "kubernetes DIR`): KubernetesSettings in splitserve.launch.kubernetes_settings.",
     )
+    lmcache: LMCacheSettings | None = Field(
+        None,
+        description="Prefix reuse across the prefill pool (docs/lmcache.md): each P server "
+        "runs LMCache beside the splitserve connector; with `remote`, the pool shares LMCache's "
+        "cache server, which `up` starts unless `remote.start` is false.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Deployment:
@@ -259,6 +267,9 @@ class Deployment(_Strict):
                     ports += [(host, side + rank) for rank in range(tp)]
         proxy_port = self.proxy.get("port", 8000)
         ports.append((self.proxy_host, proxy_port))
+        remote = self.lmcache.remote if self.lmcache is not None else None
+        if remote is not None and remote.start:
+            ports.append((None, remote.port))
         dup = sorted({p for h, p in ports if ports.count((h, p)) > 1})
         if dup:
             raise ValueError(
@@ -281,7 +292,35 @@ class Deployment(_Strict):
                 raise ValueError(f"proxy.{key}: set by the deployment, remove it here")
         if self.connector.name == "nixl" and self.proxy.get("flow") == "concurrent":
             raise ValueError("proxy.flow: the stock NixlConnector only has the sequential flow")
+        self._check_lmcache()
         return self
+
+    def _check_lmcache(self) -> None:
+        """LMCache composes with our connector on P (docs/lmcache.md); placed on hosts, its
+        shared tier must be one the operator runs, at an address every P host reaches."""
+        if self.lmcache is None:
+            return
+        if self.connector.name != "splitserve":
+            raise ValueError(
+                "lmcache: composes with the splitserve connector (P runs MultiConnector of "
+                f"LMCache and SplitserveConnector); connector.name is {self.connector.name!r}"
+            )
+        remote = self.lmcache.remote
+        if self.placed and remote is not None and remote.start:
+            raise ValueError(
+                "lmcache.remote.start: placed on hosts, the prefill pool shares a tier that runs "
+                "on its own: start LMCache's server there, set remote.start false and "
+                "remote.host to its address"
+            )
+        local_only = remote is not None and (
+            is_loopback(remote.host) or remote.host in ("", "0.0.0.0", "::")
+        )
+        if self.placed and local_only:
+            raise ValueError(
+                f"lmcache.remote.host: every prefill host must reach the shared tier; "
+                f"{remote.host!r} is not an address they can (give the tier host's address or "
+                "name)"
+            )
 
     def _check_placement(self) -> None:
         """Placed on hosts: every server and the proxy, or none (docs/deployment.md)."""

@@ -41,6 +41,7 @@ from splitserve.config import (
     proxy_config_for,
     url_host,
 )
+from splitserve.connectors.lmcache.settings import LMCacheRemote, composed_kv_config
 from splitserve.launch import engines
 from splitserve.launch.group import ServerGroup
 from splitserve.launch.secrets import DeploymentSecrets
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+LMCACHE_TIER = "lmcache-server"  # the group member that runs LMCache's cache server
 # A single-host deployment's D contacts only prefill side channels on loopback (unless the
 # connector settings name other hosts): a request naming any other remote_host gets a 400.
 LOOPBACK_PREFILL_HOSTS = ["127.0.0.0/8", "::1", "localhost"]
@@ -174,6 +176,10 @@ def server_command(
     pool's own variables, then the keys'."""
     pool: PoolSettings = getattr(dep, role)
     kv_cfg, kv_env = _kv_transfer_config(dep, side_port, side_host)
+    if role == "prefill" and dep.lmcache is not None:
+        # LMCache first, then ours (docs/lmcache.md, "Composition"); its LMCACHE_* settings
+        kv_cfg = composed_kv_config(kv_cfg)
+        kv_env = {**kv_env, **dep.lmcache.env()}
     return engines.vllm_server(
         str(model),
         port,
@@ -275,6 +281,15 @@ def local_host(dep: Deployment, requested: str | None = None) -> str | None:
     )
 
 
+def lmcache_tier_here(dep: Deployment, planned: list[PlannedServer]) -> LMCacheRemote | None:
+    """LMCache's shared tier when this ``up`` starts it: asked for, and a P server among
+    ``planned`` (the servers this ``up`` runs)."""
+    remote = dep.lmcache.remote if dep.lmcache is not None else None
+    if remote is None or not remote.start or not any(s.role == "prefill" for s in planned):
+        return None
+    return remote
+
+
 class PortInUseError(RuntimeError):
     """A port the deployment needs is taken; raised before anything is started."""
 
@@ -285,6 +300,8 @@ def check_ports(
     """Fail fast, before starting anything, if a port this ``up`` needs on ``host`` (its
     servers' and, ``with_proxy``, the proxy's) is taken."""
     wanted = [("proxy.port", proxy_port(dep))] if with_proxy else []
+    if (tier := lmcache_tier_here(dep, planned)) is not None:
+        wanted.append(("lmcache.remote.port", tier.port))
     for s in planned:
         wanted.append((f"{s.name} (HTTP)", s.port))
         if s.side_channel_port is not None:
@@ -374,6 +391,7 @@ class DeploymentRunner:
         planned = plan_servers(self.dep, model, self.secrets.engine_env())
         self.planned = [s for s in planned if s.host == self.host]
         check_ports(self.dep, self.planned, with_proxy=self.runs_proxy, host=self.host)
+        self._start_lmcache_tier()
         for s in self.planned:
             self.group.add(s.name, s.command.argv, port=s.port, host=s.host, env=s.command.env)
             self.echo(
@@ -413,6 +431,18 @@ class DeploymentRunner:
             self.dep.startup_timeout_s + 60 if self.dep.placed else 60.0, names=["proxy"]
         )
         self.echo(f"proxy ready: {self.url}")
+
+    def _start_lmcache_tier(self) -> None:
+        """LMCache's cache server, the prefill pool's shared tier, when the deployment asks
+        ``up`` to start it (a TCP server: ready once its port accepts; supervised and stopped
+        with the engines). Started before the P servers, which connect to it."""
+        remote = lmcache_tier_here(self.dep, self.planned)
+        if remote is None:
+            return
+        self.group.add(
+            LMCACHE_TIER, remote.argv(), port=remote.port, host=remote.host, ready_path=None
+        )
+        self.echo(f"started {LMCACHE_TIER} on {remote.url}")
 
     def _proxy_settings(self) -> ProxyConfig:
         """The proxy's settings before its ports are known (for its client key)."""
@@ -464,6 +494,8 @@ class DeploymentRunner:
         }
         if self.runs_proxy:
             ports["proxy"] = [proxy_port(self.dep)]
+        if (tier := lmcache_tier_here(self.dep, self.planned)) is not None:
+            ports[LMCACHE_TIER] = [tier.port]
         return ports
 
     @staticmethod

@@ -17,20 +17,21 @@ from typing import Any
 
 from splitserve.launch import engines
 from splitserve.launch.process import ManagedProcess, ProcessStartError
-from splitserve.netutil import free_port, http_ok
+from splitserve.netutil import free_port, http_ok, port_in_use
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Server:
-    """A started process with an HTTP endpoint and the probe that says it is ready."""
+    """A started process with an HTTP endpoint and the probe that says it is ready
+    (``ready_path`` None: a plain TCP server, ready once its port is taken)."""
 
     name: str
     host: str
     port: int
     process: ManagedProcess
-    ready_path: str = "/health"
+    ready_path: str | None = "/health"
     ready: bool = False
     last_used: float = 0.0
 
@@ -39,6 +40,8 @@ class Server:
         return f"http://{self.host}:{self.port}"
 
     def probe(self) -> bool:
+        if self.ready_path is None:
+            return port_in_use(self.port, self.host)
         return http_ok(self.url + self.ready_path)
 
 
@@ -88,7 +91,7 @@ class ServerGroup:
         port: int,
         host: str = "127.0.0.1",
         env: Mapping[str, str] | None = None,
-        ready_path: str = "/health",
+        ready_path: str | None = "/health",
         nice: int = 0,
         cpus: Sequence[int] | None = None,
     ) -> Server:

@@ -162,6 +162,12 @@ def build_manifests(
             "for `splitserve up --host`; on Kubernetes the scheduler places the pods: remove "
             "them to emit manifests, and steer pools with kubernetes.node_selectors"
         )
+    if dep.lmcache is not None:
+        raise DeploymentError(
+            f"{source}: lmcache: not emitted as Kubernetes manifests yet (the shared tier and "
+            "the prefill pods' LMCache settings have no objects here); remove it to emit, or "
+            "serve it with `splitserve up` (docs/lmcache.md)"
+        )
     k8s = settings_of(dep, source)
     ctx = ObjectContext(dep, k8s, keys if keys is not None else generate_keys(dep))
     return Manifests(

@@ -2,21 +2,15 @@
 kernel writes the tokens, the shim must read back exactly what was written, and what the shim
 writes must read back through the same views vLLM's attention uses.
 
-Not collected by ``make test``: LMCache is not in the project's environment yet (its wheel
-must be installed ``--no-deps``, docs/lmcache.md), and a module that always skips there could
-never fail. Run it from an environment that has LMCache::
-
-    PYTHONPATH=$PWD /tmp/lmcvenv/bin/python -m pytest -q -p no:cacheprovider \\
-        tests/unit/manual_lmcache_cpu_paged.py
+In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh).
 """
 
 from __future__ import annotations
 
+import lmcache  # noqa: F401
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("lmcache")
-vllm_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+import torch
+import vllm.v1.attention.backends.cpu_attn as vllm_attn
 
 from splitserve.connectors.lmcache.cpu_paged import CpuPagedKV  # noqa: E402
 

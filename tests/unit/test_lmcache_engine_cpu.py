@@ -2,12 +2,7 @@
 some slots comes back, byte for byte, at other slots of another cache, from the engine's local
 CPU tier and, for a second engine, from LMCache's own cache server as the shared remote tier.
 
-Not collected by ``make test``: LMCache is not in the project's environment yet (its wheel
-must be installed ``--no-deps``, docs/lmcache.md), and a module that always skips there could
-never fail. Run it from an environment that has LMCache::
-
-    PYTHONPATH=$PWD /tmp/lmcvenv/bin/python -m pytest -q -p no:cacheprovider \\
-        tests/unit/manual_lmcache_engine_cpu.py
+In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh).
 """
 
 from __future__ import annotations
@@ -16,11 +11,9 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("lmcache")
-pytest.importorskip("vllm")
+import lmcache  # noqa: F401
+import torch
+import vllm  # noqa: F401
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, BLOCKS, CHUNK = 3, 2, 64, 32, 40, 256
 

@@ -2,21 +2,15 @@
 vLLM (the failure the shim exists for), the shim answers for vLLM on the CPU platform only, and
 on any other platform it installs nothing.
 
-Not collected by ``make test``: LMCache is not in the project's environment yet (its wheel
-must be installed ``--no-deps``, docs/lmcache.md), and a module that always skips there could
-never fail. Run it from an environment that has LMCache::
-
-    PYTHONPATH=$PWD /tmp/lmcvenv/bin/python -m pytest -q -p no:cacheprovider \\
-        tests/unit/manual_lmcache_shim.py
+In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh).
 """
 
 from __future__ import annotations
 
+import lmcache
 import pytest
-
-torch = pytest.importorskip("torch")
-lmcache = pytest.importorskip("lmcache")
-pytest.importorskip("vllm")
+import torch
+import vllm  # noqa: F401
 
 
 @pytest.fixture

@@ -3,12 +3,8 @@ cache server as the remote tier, each with vLLM's ``MultiConnector`` of
 ``SplitserveLMCacheConnector`` (LMCache, with splitserve's CPU shim) and ``SplitserveConnector``
 (the handoff to D).
 
-Not collected by ``make test`` (LMCache is not in the project's environment yet: its wheel must
-be installed ``--no-deps``, docs/lmcache.md). Run it from an environment that has it, under the
-lock::
-
-    PYTHONPATH=$PWD PYTHONHASHSEED=0 flock /tmp/splitserve-integration.lock \\
-        /tmp/lmcvenv/bin/python -m pytest -q -p no:cacheprovider tests/integration/manual_lmcache.py
+In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh); its
+servers get their ``PYTHONHASHSEED`` from the LMCache settings (docs/lmcache.md).
 
 The proof that KV came from LMCache and not a silent recompute: vLLM's own counter of tokens a
 KV connector supplied (``vllm:external_prefix_cache_hits``) rises on P2 by the shared prefix,
@@ -18,6 +14,7 @@ D's greedy tokens and log-probs equal a colocated server's (garbage KV would cha
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -32,8 +29,6 @@ from token_requests import body_for, post, prompt_of, tokens
 from splitserve.connectors.lmcache.settings import LMCacheSettings, composed_kv_config
 from splitserve.netutil import free_ports, port_in_use
 from splitserve.proxy import dispatch
-
-pytest.importorskip("lmcache")
 
 CHUNK = 256
 DOC_TOKENS = 1500
@@ -63,23 +58,30 @@ def multi_config(side_port: int) -> dict:
     return composed_kv_config(splitserve_config(side_port))
 
 
+# The tier's log line for each PUT it stored (its debug level, LMCACHE_LOG_LEVEL=DEBUG).
+PUT_MARK = "Time to receive data"
+
+
 @pytest.fixture(scope="module")
 def remote_tier(tmp_path_factory):
-    """LMCache's own cache server (plain TCP, no HTTP health route: not a group member)."""
+    """LMCache's own cache server (plain TCP, no HTTP health route: not a group member);
+    (port, process, log path). Its debug log counts the chunks put into it."""
     port = free_ports(1)[0]
-    log = open(tmp_path_factory.mktemp("lmcache") / "lmcache-server.log", "wb")  # noqa: SIM115
+    log_path = tmp_path_factory.mktemp("lmcache") / "lmcache-server.log"
+    log = open(log_path, "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, "LMCACHE_LOG_LEVEL": "DEBUG"},
     )
     try:
         end = time.monotonic() + 120
         while not port_in_use(port):
             assert proc.poll() is None and time.monotonic() < end, "LMCache server did not start"
             time.sleep(0.2)
-        yield port, proc
+        yield port, proc, log_path
     finally:
         proc.terminate()
         try:
@@ -93,7 +95,7 @@ def remote_tier(tmp_path_factory):
 def fleet(servers, tiny_model, remote_tier):
     """P1 and P2 (MultiConnector, sharing ``remote_tier``) and D (SplitserveConnector)."""
     group = servers.group
-    remote_port, _ = remote_tier
+    remote_port, _, _ = remote_tier
     p1_side, p2_side, d_side = free_ports(3)
     args = ["--max-model-len", "2048", "--max-num-batched-tokens", "512"]
     env = {**key_env(), **lmcache_env(remote_port)}
@@ -159,14 +161,24 @@ def counters(url: str) -> dict[str, float]:
     }
 
 
-def test_p2_loads_the_shared_prefix_and_d_equals_colocated(fleet) -> None:
+def wait_for_puts(log_path, count: int, bound: float = 120.0) -> None:
+    """The tier has stored ``count`` chunks (P1's puts are asynchronous: P2 may only look
+    once they landed)."""
+    end = time.monotonic() + bound
+    while (puts := log_path.read_text(errors="replace").count(PUT_MARK)) < count:
+        assert time.monotonic() < end, f"the tier stored {puts} of {count} chunks in {bound} s"
+        time.sleep(0.2)
+
+
+def test_p2_loads_the_shared_prefix_and_d_equals_colocated(fleet, remote_tier) -> None:
     doc = ids(DOC_TOKENS, 1)
     first, second = doc + ids(QUESTION_TOKENS, 2), doc + ids(QUESTION_TOKENS, 3)
     p1, p2, d = fleet["lmc-p1"], fleet["lmc-p2"], fleet["lmc-d"]
 
     got_first = tokens(handoff(p1, d, first))
-    # P1's store reaches the remote tier asynchronously: P2 may only look once it is there.
-    time.sleep(3)
+    # P1's store reaches the remote tier asynchronously: P2 may only look once it is there
+    # (every whole chunk of P1's prompt; the shared ones among them).
+    wait_for_puts(remote_tier[2], len(first) // CHUNK)
     before, d_before = counters(p2), counters(d)
     got_second = tokens(concurrent_handoff(p2, fleet["p2-side"], d, second))
     after, d_after = counters(p2), counters(d)
@@ -192,7 +204,7 @@ def test_p2_loads_the_shared_prefix_and_d_equals_colocated(fleet) -> None:
 def test_remote_tier_killed_requests_still_succeed(fleet, remote_tier) -> None:
     """With LMCache's server gone, P2 recomputes: the request succeeds with D's output equal to
     colocated, and nothing waits on the dead tier beyond the request's own bound."""
-    _, proc = remote_tier
+    _, proc, _ = remote_tier
     proc.terminate()
     proc.wait(30)
     p2, d = fleet["lmc-p2"], fleet["lmc-d"]
