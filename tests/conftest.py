@@ -87,6 +87,14 @@ class ServerPool:
             server = self.group.servers[key]
         return server
 
+    def release(self, *keys: str) -> None:
+        """Stop these servers now (no later module uses them): a server whose NIXL agent spins
+        a core would otherwise keep doing so until evicted, slowing the modules after it."""
+        for key in keys:
+            server = self.group.servers.pop(key, None)
+            if server is not None:
+                server.process.stop()
+
     def wait_all(self, *keys: str) -> None:
         """Wait for the servers (all when none is named); one that fails to start is started
         again (``SERVER_START_ATTEMPTS``), each wait bounded by ``SERVER_START_TIMEOUT``."""

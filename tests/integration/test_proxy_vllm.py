@@ -46,7 +46,7 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def nixl_pair(servers, tiny_model):
+def nixl_pair(servers, tiny_model) -> Iterator[tuple]:
     """(P, D): stock vLLM with NixlConnector on host memory, one core each."""
     side_p, side_d = free_ports(2)
     started = []
@@ -71,7 +71,10 @@ def nixl_pair(servers, tiny_model):
     # requests through the proxy then failed on its 5 s connect timeout (a CI failure).
     servers.vllm("proxy-victim", tiny_model, cpu_core=0, wait=False)
     servers.wait_all("vllm-nixl-p", "vllm-nixl-d", "proxy-victim")
-    return started[0], started[1]
+    yield started[0], started[1]
+    # Only this module uses the stock pair, whose NIXL progress threads spin both cores (niced)
+    # until the pair is stopped: stop it now rather than when the next modules evict it.
+    servers.release("vllm-nixl-p", "vllm-nixl-d")
 
 
 @pytest.fixture(scope="module")
