@@ -60,7 +60,7 @@ echo "install_lmcache_cpu: installing LMCache 0.5.6 into $VENV (about 100 MB)"
     || fail "pip could not install lmcache==0.5.6 and its three light dependencies" \
         "read pip's error above"
 
-smoke || fail "LMCache installed but does not import (traceback above)" \
+smoke >/dev/null 2>&1 || smoke || fail "LMCache installed but does not import (traceback above)" \
     "delete $STAMP and rerun; docs/lmcache.md, 'Install', lists what it needs"
 echo "$KEY" > "$STAMP"
 echo "install_lmcache_cpu: $VENV ready (lmcache 0.5.6)"
