@@ -25,7 +25,7 @@ channels missed D's 5 s heartbeat bound).
 What vLLM CPU needs for TP 2 here is in docs/connector-protocol.md, "Ranks".
 
 In ``make test``: on our 2 cores it passes with the two settings above (``TORCHDYNAMO_DISABLE``,
-``peer_liveness_s`` 60: docs/connector-protocol.md, "Ranks"). The last test kills a rank of
+``peer_liveness_s`` 180: docs/connector-protocol.md, "Ranks"). The last test kills a rank of
 ``tp-d``, so it runs last and nothing after it may need ``tp-d``.
 """
 
@@ -71,8 +71,11 @@ UNPINNED = {
 }
 # The five TP processes on 2 cores stall whole seconds at a time (docs/connector-protocol.md,
 # "Ranks": 40-68 runnable threads), past the 5 s default; a silent peer is then still
-# detected, within this bound
-PEER_LIVENESS_S = 60
+# detected, within this bound. 60 s was passed twice (2026-12-05): every process on the machine,
+# the servers' own 10 s stats loggers included, logged nothing for 55-64 s, and D then gave up
+# on P's ranks ("lost connection to prefill side"); no test here depends on this bound (the
+# rank-kill test is bounded by P's lease and vLLM's executor)
+PEER_LIVENESS_S = 180
 REQUEST_TIMEOUT = 300.0
 LEASE_S = 20
 D_NICE = 10
