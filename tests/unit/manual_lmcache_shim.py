@@ -2,7 +2,11 @@
 vLLM (the failure the shim exists for), the shim answers for vLLM on the CPU platform only, and
 on any other platform it installs nothing.
 
-In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh).
+Not in ``make test``: LMCache in the pytest process breaks the in-process proxy's
+Prometheus metrics for every later test (2026-12-05: test_proxy_splitserve's fallback counter
+read 0 after these ran). Run it alone::
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/manual_lmcache_shim.py
 """
 
 from __future__ import annotations

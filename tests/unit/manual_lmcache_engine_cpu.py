@@ -2,7 +2,11 @@
 some slots comes back, byte for byte, at other slots of another cache, from the engine's local
 CPU tier and, for a second engine, from LMCache's own cache server as the shared remote tier.
 
-In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh).
+Not in ``make test``: LMCache in the pytest process breaks the in-process proxy's
+Prometheus metrics for every later test (2026-12-05: test_proxy_splitserve's fallback counter
+read 0 after these ran). Run it alone::
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/manual_lmcache_engine_cpu.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 kernel writes the tokens, the shim must read back exactly what was written, and what the shim
 writes must read back through the same views vLLM's attention uses.
 
-In ``make test``: the bootstrap installs LMCache (scripts/install_lmcache_cpu.sh).
+Not in ``make test``: LMCache in the pytest process breaks the in-process proxy's
+Prometheus metrics for every later test (2026-12-05: test_proxy_splitserve's fallback counter
+read 0 after these ran). Run it alone::
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/manual_lmcache_cpu_paged.py
 """
 
 from __future__ import annotations
