@@ -16,22 +16,64 @@ import socket
 import urllib.error
 import urllib.request
 
+# Where chosen ports come from: below the kernel's ephemeral range (the local ports it gives
+# outgoing connections, ``ip_local_port_range``), so that a port chosen here cannot be taken by
+# some process's outgoing connection between choosing and binding it (a kernel-chosen port, from
+# binding port 0, lies inside that range: a busy machine's HTTP and UCX clients took such ports
+# before the servers chosen them could bind, seen in the test suite as "Address already in use").
+_LOW_PORT = 10000
+_EPHEMERAL_FALLBACK = (32768, 60999)
+_PICK_ATTEMPTS = 500
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+
+
+def _candidate_ports() -> list[range]:
+    """The port ranges outside the ephemeral range, large enough to pick from."""
+    low, high = _ephemeral_range()
+    ranges = [r for r in (range(_LOW_PORT, low), range(high + 1, 65536)) if len(r) >= 1000]
+    return ranges or [range(_LOW_PORT, 65536)]
+
+
+def _bindable(sock: socket.socket, host: str, port: int) -> bool:
+    try:
+        sock.bind((host, port))
+        return True
+    except OSError:
+        return False
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago, outside the kernel's ephemeral range."""
+    return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports (held open together while chosen, so they differ)."""
-    socks = []
+    """``n`` distinct free ports (held open together while chosen, so they differ), outside the
+    kernel's ephemeral range."""
+    rng = random.Random()
+    ranges = _candidate_ports()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(_PICK_ATTEMPTS):
+            if len(socks) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
+            port = rng.choice(rng.choice(ranges))
+            if _bindable(s, host, port):
+                socks.append(s)
+            else:
+                s.close()
+        else:
+            if len(socks) < n:
+                raise RuntimeError(f"no {n} free ports on {host} in {_PICK_ATTEMPTS} tries")
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
@@ -40,12 +82,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
     """A base port with ``count`` consecutive free ports (a tensor-parallel server's side
-    channels: rank r binds base + r). ``count`` 1 is ``free_port``."""
+    channels: rank r binds base + r), outside the kernel's ephemeral range. ``count`` 1 is
+    ``free_port``."""
     if count <= 1:
         return free_port(host)
     rng = random.Random()
+    ranges = [r for r in _candidate_ports() if len(r) > count]
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
+        span = rng.choice(ranges)
+        base = rng.randrange(span.start, span.stop - count)
         socks = []
         try:
             for port in range(base, base + count):

@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import server_logs
 
+from splitserve.launch.engines import tensor_parallel_size
 from splitserve.launch.group import Server, ServerGroup
 from splitserve.launch.process import ProcessStartError
 from splitserve.models import build_model, resolve_spec
+from splitserve.netutil import free_port, free_port_run
 
 # Bound on one server's start-up. Two servers side by side on 2 cores take about 2 minutes.
 SERVER_START_TIMEOUT = float(os.environ.get("SPLITSERVE_TEST_SERVER_TIMEOUT", "420"))
@@ -110,7 +112,26 @@ class ServerPool:
                 if failures[e.name] >= SERVER_START_ATTEMPTS or e.name not in self._specs:
                     raise
                 logger.warning("server %s failed to start (%s); starting it again", e.name, e)
+                self._specs[e.name] = with_fresh_side_ports(self._specs[e.name])
                 self.group.add_vllm(e.name, **self._specs[e.name])
+
+
+def with_fresh_side_ports(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with new side-channel ports (ours in ``kv_connector_extra_config``, stock
+    NixlConnector's in ``VLLM_NIXL_SIDE_CHANNEL_PORT``) for a start that is tried again: the
+    first try may have failed because its port was taken, and the port may still be taken.
+    Whoever reads a server's side port back reads it from the command line (``ss_pair``)."""
+    spec = dict(spec)
+    config = spec.get("kv_transfer_config")
+    extra = (config or {}).get("kv_connector_extra_config") or {}
+    if "side_channel_port" in extra:
+        ranks = tensor_parallel_size(list(spec.get("extra_args") or ()))
+        extra = {**extra, "side_channel_port": free_port_run(ranks)}
+        spec["kv_transfer_config"] = {**config, "kv_connector_extra_config": extra}
+    env = spec.get("env")
+    if env and "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
+        spec["env"] = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    return spec
 
 
 # Integration modules run in this order (unit tests first; modules not listed run last, in

@@ -1,0 +1,47 @@
+"""Unit tests of ``splitserve.netutil``'s port pickers (our own logic, on real sockets)."""
+
+from __future__ import annotations
+
+import socket
+
+from splitserve import netutil
+
+
+def _ephemeral() -> range:
+    low, high = netutil._ephemeral_range()
+    return range(low, high + 1)
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    ports = netutil.free_ports(8)
+    assert len(set(ports)) == 8
+    for port in ports:
+        assert port not in _ephemeral()
+        assert port >= netutil._LOW_PORT
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_skip_a_port_someone_listens_on() -> None:
+    taken = []
+    try:
+        for port in netutil.free_ports(20):
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            taken.append(s)
+        held = {s.getsockname()[1] for s in taken}
+        for _ in range(20):
+            assert not held & set(netutil.free_ports(5))
+    finally:
+        for s in taken:
+            s.close()
+
+
+def test_free_port_run_is_consecutive_and_outside_the_ephemeral_range() -> None:
+    base = netutil.free_port_run(4)
+    for port in range(base, base + 4):
+        assert port not in _ephemeral()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert netutil.free_port_run(1) not in _ephemeral()
