@@ -123,10 +123,20 @@ def vllm_metric(url: str, name: str, **labels: str) -> float:
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true; a probe that fails (a niced server's /metrics not answering
+    within its own timeout while the machine is loaded) counts as not yet, until ``timeout``."""
     end = time.monotonic() + timeout
-    while not cond():
+    last_error: Exception | None = None
+    while True:
+        try:
+            if cond():
+                return
+        except OSError as e:  # URLError and socket timeouts are OSErrors
+            last_error = e
         if time.monotonic() > end:
-            raise AssertionError(f"{what} not reached within {timeout} s")
+            raise AssertionError(
+                f"{what} not reached within {timeout} s (last probe error: {last_error!r})"
+            )
         time.sleep(0.2)
 
 
@@ -281,20 +291,31 @@ def test_decode_killed_midstream(nixl_pair, victim) -> None:
     config = proxy_config([p.url], [victim.url, d.url], routing={"decode": "round_robin"})
     with BackgroundProxy(config) as running:
         c = client(running.url)
-        stream = c.completions.create(
-            model="tiny",
-            prompt="die",
-            max_tokens=3000,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        got = 0
+        # Round robin sends the first stream to the victim; a victim slow to answer on a loaded
+        # machine makes the proxy retry on D instead (before any byte reached the client), so
+        # the stream is opened again, alternating, until the victim is the one serving it.
+        for _ in range(4):
+            stream = c.completions.create(
+                model="tiny",
+                prompt="die",
+                max_tokens=3000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = iter(stream)
+            for _ in range(3):
+                next(chunks)
+            if vllm_metric(victim.url, "vllm:num_requests_running") >= 1:
+                break
+            stream.close()
+        else:
+            raise AssertionError("no stream landed on the victim in 4 tries")
+        got = 3
+        os.killpg(victim.process.pid, signal.SIGKILL)  # the decode server dies mid-stream
         with pytest.raises(openai.APIError):
-            for _chunk in stream:
+            for _chunk in chunks:
                 got += 1
-                if got == 3:
-                    os.killpg(victim.process.pid, signal.SIGKILL)  # the decode server dies
-        assert got >= 3, "the stream had started before the kill"
+        assert got < 3000, "the stream ended early, with an error"
         wait_until(lambda: not running.state.decode.backends[0].healthy, 30, "victim ejected")
         for _ in range(2):  # later requests avoid the dead server
             out = c.completions.create(model="tiny", prompt="after", max_tokens=3)
