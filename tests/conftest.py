@@ -40,6 +40,19 @@ SERVER_START_ATTEMPTS = 2
 logger = logging.getLogger(__name__)
 
 
+@pytest.fixture(scope="module")
+def restore_process_environment() -> Iterator[None]:
+    """Put ``os.environ`` back as it was when the module ends. For modules that load a library
+    which changes this process's environment: LMCache's metrics logger sets
+    ``PROMETHEUS_MULTIPROC_DIR``, and every in-process proxy started after it then took itself
+    for one of several workers and served its metrics from files (read 0 in later tests)."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``tiny`` preset, built once per test session."""

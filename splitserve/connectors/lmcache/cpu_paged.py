@@ -4,7 +4,7 @@ vLLM's CPU attention backend (``CPU_ATTN``, layout ``LBHNC``) keeps one tensor p
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; per block and head its kernel
 (``cpu_attn_reshape_and_cache``, ISA ``vec`` / ``vec16``; measured with fp32) writes the
 block's keys transposed, ``[head_size, block_size]``, then its values, ``[block_size,
-head_size]`` (measured with the kernel itself: tests/unit/manual_lmcache_cpu_paged.py). Other ISAs
+head_size]`` (measured with the kernel itself: tests/unit/test_lmcache_cpu_paged.py). Other ISAs
 (AMX for bf16) pack differently and are refused, never guessed.
 LMCache's memory objects are ``KV_2LTD``: ``[2, num_layers, tokens, num_kv_heads * head_size]``.
 A token's cache slot ``s`` lives in block ``s // block_size`` at offset ``s % block_size``, so

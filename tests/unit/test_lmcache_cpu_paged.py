@@ -2,11 +2,10 @@
 kernel writes the tokens, the shim must read back exactly what was written, and what the shim
 writes must read back through the same views vLLM's attention uses.
 
-Not in ``make test``: LMCache in the pytest process breaks the in-process proxy's
-Prometheus metrics for every later test (2026-12-05: test_proxy_splitserve's fallback counter
-read 0 after these ran). Run it alone::
-
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/manual_lmcache_cpu_paged.py
+LMCache changes this process's environment (its metrics logger sets
+``PROMETHEUS_MULTIPROC_DIR``): the module puts it back when it ends
+(``restore_process_environment``), or every in-process proxy of a later test serves its
+metrics from files.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ import torch
 import vllm.v1.attention.backends.cpu_attn as vllm_attn
 
 from splitserve.connectors.lmcache.cpu_paged import CpuPagedKV  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("restore_process_environment")
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, BLOCKS = 3, 2, 64, 32, 6
 

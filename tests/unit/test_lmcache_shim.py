@@ -2,11 +2,10 @@
 vLLM (the failure the shim exists for), the shim answers for vLLM on the CPU platform only, and
 on any other platform it installs nothing.
 
-Not in ``make test``: LMCache in the pytest process breaks the in-process proxy's
-Prometheus metrics for every later test (2026-12-05: test_proxy_splitserve's fallback counter
-read 0 after these ran). Run it alone::
-
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/manual_lmcache_shim.py
+LMCache changes this process's environment (its metrics logger sets
+``PROMETHEUS_MULTIPROC_DIR``): the module puts it back when it ends
+(``restore_process_environment``), or every in-process proxy of a later test serves its
+metrics from files.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ import lmcache
 import pytest
 import torch
 import vllm  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("restore_process_environment")
 
 
 @pytest.fixture

@@ -2,11 +2,10 @@
 some slots comes back, byte for byte, at other slots of another cache, from the engine's local
 CPU tier and, for a second engine, from LMCache's own cache server as the shared remote tier.
 
-Not in ``make test``: LMCache in the pytest process breaks the in-process proxy's
-Prometheus metrics for every later test (2026-12-05: test_proxy_splitserve's fallback counter
-read 0 after these ran). Run it alone::
-
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/manual_lmcache_engine_cpu.py
+LMCache changes this process's environment (its metrics logger sets
+``PROMETHEUS_MULTIPROC_DIR``): the module puts it back when it ends
+(``restore_process_environment``), or every in-process proxy of a later test serves its
+metrics from files.
 """
 
 from __future__ import annotations
@@ -16,8 +15,11 @@ import sys
 import time
 
 import lmcache  # noqa: F401
+import pytest
 import torch
 import vllm  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("restore_process_environment")
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, BLOCKS, CHUNK = 3, 2, 64, 32, 40, 256
 
