@@ -39,12 +39,15 @@ CPU_VLLM_ENV = {
 }
 
 
-# Added on a CPU machine when the server runs tensor parallel: with TP > 1 vLLM's embedding calls
-# a ``torch.compile``d helper (``get_masked_input_and_mask``, inductor on CPU) that compiles at
-# the first forward, 60-70 s on 2 cores holding the GIL, long enough for a connector's side
-# channel handshakes to time out (docs/connector-protocol.md, "Ranks"). Eager, like every other
-# op of a ``--enforce-eager`` CPU server. A caller's ``env`` still wins.
-CPU_TP_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+# Added on a CPU machine (a caller's ``env`` still wins): ``torch.compile``d helpers of vLLM run
+# eagerly, like every other op of a ``--enforce-eager`` CPU server. Otherwise inductor compiles
+# each at its first call, holding the GIL while it builds C++ (a cold cache: a fresh machine, as
+# in CI): with TP > 1 the embedding's ``get_masked_input_and_mask`` at the first forward, 60-70 s
+# on 2 cores; with TP 1 too, the log-prob rank helper (``batched_count_greater_than``) at the
+# first request asking for log-probs, 15-20 s. Long enough for a peer's lease or a side
+# channel's handshake to time out (seen: a D request failed "no PULLED within 20 s of DONE"
+# while P and D both compiled; docs/connector-protocol.md, "Ranks").
+CPU_EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def tensor_parallel_size(argv: Sequence[str]) -> int:
@@ -90,7 +93,7 @@ def vllm_server(
     script of the CPU wheel is broken. On a CPU machine: fp32 (2.4x faster than bf16 without
     AVX512-BF16), eager mode, and ``cpu_core`` pins the server's OpenMP threads to one core so
     two servers side by side do not fight (with ``--tensor-parallel-size`` in ``extra_args``,
-    every rank's; and ``CPU_TP_ENV``).
+    every rank's); ``CPU_EAGER_ENV`` on a CPU machine.
     """
     argv = [
         python or sys.executable,
@@ -117,8 +120,8 @@ def vllm_server(
     if cpu and cpu_core is not None:
         # one core list per rank (vLLM asserts it): every rank on the server's core
         full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(cpu_core)] * ranks)
-    if cpu and ranks > 1:
-        full_env.update(CPU_TP_ENV)
+    if cpu:
+        full_env.update(CPU_EAGER_ENV)
     full_env.update(env or {})
     return ServerCommand(argv=argv, env=full_env)
 

@@ -121,8 +121,10 @@ def fleet(servers, tiny_model, remote_tier):
         # Without its own prefix cache D cannot serve the shared document from the first
         # request's blocks: all of P2's KV, LMCache's prefix included, must reach it.
         extra_args=[*args, "--no-enable-prefix-caching"],
-        cpu_core=0,
-        env=key_env(),
+        # Not pinned: pinned beside P1, the two engines' OpenMP threads shared one core and a
+        # handoff outlived P1's 20 s lease (docs/connector-protocol.md).
+        cpu_core=None,
+        env={**key_env(), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
         wait=False,
     )
     servers.wait_all("lmc-p1", "lmc-p2", "lmc-d")

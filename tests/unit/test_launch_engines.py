@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.launch.engines import CPU_TP_ENV, tensor_parallel_size, vllm_server
+from splitserve.launch.engines import CPU_EAGER_ENV, tensor_parallel_size, vllm_server
 
 
 @pytest.mark.parametrize(
@@ -26,13 +26,13 @@ def test_tensor_parallel_size_from_the_command_line(argv, size):
 
 def test_a_tp_cpu_server_runs_eager_and_binds_every_rank_to_its_core():
     cmd = vllm_server("m", 8000, extra_args=["--tensor-parallel-size", "2"], cpu_core=1)
-    assert cmd.env["TORCHDYNAMO_DISABLE"] == CPU_TP_ENV["TORCHDYNAMO_DISABLE"] == "1"
+    assert cmd.env["TORCHDYNAMO_DISABLE"] == CPU_EAGER_ENV["TORCHDYNAMO_DISABLE"] == "1"
     assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "1|1"
 
 
-def test_a_tp_1_cpu_server_keeps_dynamo_and_one_core_list():
+def test_a_tp_1_cpu_server_runs_eager_too_with_one_core_list():
     cmd = vllm_server("m", 8000, cpu_core=0)
-    assert "TORCHDYNAMO_DISABLE" not in cmd.env
+    assert cmd.env["TORCHDYNAMO_DISABLE"] == "1"
     assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
