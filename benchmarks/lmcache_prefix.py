@@ -17,7 +17,7 @@ sent to P1, P2, P1, P2 ... (what least-outstanding routing does with one request
 Per request: TTFT at the client (D's first streamed token), P's answer time, the tokens P loaded
 from a connector (vLLM's ``external_prefix_cache_hits``) and computed
 (``request_prefill_kv_computed_tokens``), and D's exposed handoff (forward end -> DONE, our
-connector's histogram). Greedy answers are not checked here (``tests/integration/manual_lmcache.py``
+connector's histogram). Greedy answers are not checked here (``tests/integration/test_lmcache.py``
 checks them against a colocated server). LMCache's own P/D mode is not a contender: its vLLM
 P/D path needs its NIXL channel on a GPU (docs/lmcache.md).
 

@@ -1,7 +1,7 @@
 """Token-level requests to vLLM servers, for the connector modules that compare a
 disaggregated answer with a colocated one token by token and logprob by logprob.
 
-Shared by ``test_connector_vllm.py``, ``test_tensor_parallel.py`` and ``manual_lmcache.py``:
+Shared by ``test_connector_vllm.py``, ``test_tensor_parallel.py`` and ``test_lmcache.py``:
 prompts are token ids (no tokenizer in the way), greedy, with ``return_token_ids`` and one
 logprob per token, so a wrong KV that happens to pick the same tokens still shows.
 """

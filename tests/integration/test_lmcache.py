@@ -3,13 +3,12 @@ cache server as the remote tier, each with vLLM's ``MultiConnector`` of
 ``SplitserveLMCacheConnector`` (LMCache, with splitserve's CPU shim) and ``SplitserveConnector``
 (the handoff to D).
 
-**Not in ``make test`` yet**: one run in four here (2026-12-05) hung P1's worker for two
-minutes right after D registered for P1's KV (D then failed the request: "lost connection to
-prefill side"); not root-caused (docs/lmcache.md, "Not built yet"). A flaky module in the suite
-would fail CI at random. LMCache is installed by ``make env``; run it by hand, under the lock::
-
-    flock /tmp/splitserve-integration.lock .venv/bin/python -m pytest -q -p no:cacheprovider \
-        tests/integration/manual_lmcache.py
+In ``make test`` since 2026-12-05. It was kept out while one run in four hung P1's worker
+for about two minutes right after D registered (D then failed the request); the cause was
+inductor compiling vLLM's log-prob helper at the first log-prob request (a cold cache), holding
+the GIL, in P1 and D pinned to one core, past P1's 20 s lease. CPU servers now run that helper
+eagerly (``splitserve.launch.engines.CPU_EAGER_ENV``) and D is not pinned beside P1
+(docs/lmcache.md).
 
 The proof that KV came from LMCache and not a silent recompute: vLLM's own counter of tokens a
 KV connector supplied (``vllm:external_prefix_cache_hits``) rises on P2 by the shared prefix,
