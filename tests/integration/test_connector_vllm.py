@@ -59,14 +59,7 @@ def reference(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 def concurrent_flow(p, d, prompt) -> dict:
     (p_url, p_side), (d_url, _) = p, d
-    prefill, decode = dispatch.vllm_concurrent_requests(
-        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side
-    )
-    with ThreadPoolExecutor(2) as pool:
-        p_answer = pool.submit(post, p_url, prefill)
-        d_answer = pool.submit(post, d_url, decode)
-        assert "choices" in p_answer.result(), p_answer.result()
-        return d_answer.result()
+    return token_requests.concurrent_handoff(p_url, p_side, d_url, prompt, post)
 
 
 def first_token_flow(p, d, prompt) -> dict:

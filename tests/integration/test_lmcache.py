@@ -22,13 +22,12 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from session_keys import test_key_file as key_file
-from token_requests import body_for, post, prompt_of, tokens
+from token_requests import body_for, concurrent_handoff, post, prompt_of, tokens
 
 from splitserve.connectors.lmcache.settings import LMCacheSettings, composed_kv_config
 from splitserve.netutil import free_ports, port_in_use
@@ -142,18 +141,6 @@ def handoff(p_url: str, d_url: str, prompt: list[int]) -> dict:
     p_answer = post(p_url, dispatch.vllm_sequential_prefill_request(body, transfer_id))
     assert p_answer.get("kv_transfer_params"), p_answer
     return post(d_url, dispatch.vllm_sequential_decode_request(body, p_answer, transfer_id))
-
-
-def concurrent_handoff(p_url: str, p_side: int, d_url: str, prompt: list[int]) -> dict:
-    """The concurrent flow: P and D at once, D registers while P computes (layer-wise)."""
-    prefill, decode = dispatch.vllm_concurrent_requests(
-        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side
-    )
-    with ThreadPoolExecutor(2) as pool:
-        p_answer = pool.submit(post, p_url, prefill)
-        d_answer = pool.submit(post, d_url, decode)
-        assert "choices" in p_answer.result(), p_answer.result()
-        return d_answer.result()
 
 
 def counters(url: str) -> dict[str, float]:

@@ -15,8 +15,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from metrics_text import fetch_metrics, metric_sum
+
+from splitserve.proxy import dispatch
 
 MAX_TOKENS = 6
 LOGPROB_TOLERANCE = 1e-2
@@ -94,3 +97,23 @@ def wait_kv_usage_zero(url: str, bound: float = 60.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"{url}: KV cache usage {usage} did not return to 0 (leak)")
+
+
+def concurrent_handoff(
+    p_url: str,
+    p_side: int,
+    d_url: str,
+    prompt: list[int],
+    send: Callable[[str, dict], dict] = post,
+) -> dict:
+    """The proxy's concurrent flow by its own dispatch functions: P and D at once, D registers
+    while P computes (layer-wise); D's answer (P's must have succeeded). ``send``: how to post
+    (e.g. with the server's log on a 5xx)."""
+    prefill, decode = dispatch.vllm_concurrent_requests(
+        body_for(prompt), dispatch.new_transfer_id(), "127.0.0.1", p_side
+    )
+    with ThreadPoolExecutor(2) as pool:
+        p_answer = pool.submit(send, p_url, prefill)
+        d_answer = pool.submit(send, d_url, decode)
+        assert "choices" in p_answer.result(), p_answer.result()
+        return d_answer.result()
