@@ -12,7 +12,9 @@
 # prometheus_client<=0.24.1, protobuf<7, opentelemetry-api<=1.40): a plain install would
 # downgrade them and pull GBs of CUDA wheels. Everything LMCache imports on our paths (its vLLM
 # adapter, its engine over the CPU shim, its cache server `python -m lmcache.v1.server`) is
-# already in the environment except the three small packages below. `pip check` then reports
+# already in the environment except the three small packages below, and a fourth for LMCache's
+# multiprocess daemon (`lmcache server`, which SGLang's `--enable-lmcache` dials): its metrics
+# need `opentelemetry-exporter-prometheus` (its own dependencies are vLLM's). `pip check` then reports
 # lmcache's declared requirements, as listed in docs/lmcache.md ("Install"); nothing else.
 # lmcache registers console scripts only (no vLLM or SGLang plugin entry points), so installing
 # it changes no server that does not select its connector.
@@ -57,7 +59,8 @@ rm -f "$STAMP"
 echo "install_lmcache_cpu: installing LMCache 0.5.6 into $VENV (about 100 MB)"
 "$PY" -m pip --disable-pip-version-check -q install --no-deps "lmcache==0.5.6" \
     "sortedcontainers==2.4.0" "aiofile==3.12.3" "caio==0.12.10" \
-    || fail "pip could not install lmcache==0.5.6 and its three light dependencies" \
+    "opentelemetry-exporter-prometheus==0.66b2" \
+    || fail "pip could not install lmcache==0.5.6 and its four light dependencies" \
         "read pip's error above"
 
 smoke >/dev/null 2>&1 || smoke || fail "LMCache installed but does not import (traceback above)" \
