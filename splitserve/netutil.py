@@ -24,6 +24,7 @@ import urllib.request
 _LOW_PORT = 10000
 _EPHEMERAL_FALLBACK = (32768, 60999)
 _PICK_ATTEMPTS = 500
+_HIGHEST_BASE = 65000 - 64  # room for a server's consecutive ports (ranks, pools)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -36,10 +37,17 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def _candidate_ports() -> list[range]:
-    """The port ranges outside the ephemeral range, large enough to pick from."""
+    """The port range to pick from: below the ephemeral range when it leaves room there (it
+    does with Linux's default, 32768-60999), else above it, short of the top (a chosen port is
+    often a base that consecutive ports follow, and settings cap bases at 65000)."""
     low, high = _ephemeral_range()
-    ranges = [r for r in (range(_LOW_PORT, low), range(high + 1, 65536)) if len(r) >= 1000]
-    return ranges or [range(_LOW_PORT, 65536)]
+    below = range(_LOW_PORT, low)
+    if len(below) >= 1000:
+        return [below]
+    above = range(high + 1, _HIGHEST_BASE)
+    if len(above) >= 1000:
+        return [above]
+    return [range(_LOW_PORT, _HIGHEST_BASE)]
 
 
 def _bindable(sock: socket.socket, host: str, port: int) -> bool:
@@ -62,7 +70,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     ranges = _candidate_ports()
     socks: list[socket.socket] = []
     try:
-        for _ in range(_PICK_ATTEMPTS):
+        tries = _PICK_ATTEMPTS + 4 * n
+        for _ in range(tries):
             if len(socks) == n:
                 break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -73,7 +82,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 s.close()
         else:
             if len(socks) < n:
-                raise RuntimeError(f"no {n} free ports on {host} in {_PICK_ATTEMPTS} tries")
+                raise RuntimeError(f"no {n} free ports on {host} in {tries} tries")
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
