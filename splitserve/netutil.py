@@ -36,26 +36,15 @@ def _ephemeral_range() -> tuple[int, int]:
         return _EPHEMERAL_FALLBACK
 
 
-def _candidate_ports() -> list[range]:
-    """The port range to pick from: below the ephemeral range when it leaves room there (it
-    does with Linux's default, 32768-60999), else above it, short of the top (a chosen port is
-    often a base that consecutive ports follow, and settings cap bases at 65000)."""
+def _candidate_ports() -> range:
+    """The ports to pick from: below the ephemeral range when it leaves room there (it does
+    with Linux's default, 32768-60999), else above it, short of the top (a chosen port is often
+    a base that consecutive ports follow, and settings cap bases at 65000)."""
     low, high = _ephemeral_range()
-    below = range(_LOW_PORT, low)
-    if len(below) >= 1000:
-        return [below]
-    above = range(high + 1, _HIGHEST_BASE)
-    if len(above) >= 1000:
-        return [above]
-    return [range(_LOW_PORT, _HIGHEST_BASE)]
-
-
-def _bindable(sock: socket.socket, host: str, port: int) -> bool:
-    try:
-        sock.bind((host, port))
-        return True
-    except OSError:
-        return False
+    for span in (range(_LOW_PORT, low), range(high + 1, _HIGHEST_BASE)):
+        if len(span) >= 1000:
+            return span
+    return range(_LOW_PORT, _HIGHEST_BASE)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,22 +56,21 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct free ports (held open together while chosen, so they differ), outside the
     kernel's ephemeral range."""
     rng = random.Random()
-    ranges = _candidate_ports()
+    span = _candidate_ports()
     socks: list[socket.socket] = []
+    tries = _PICK_ATTEMPTS + 4 * n
     try:
-        tries = _PICK_ATTEMPTS + 4 * n
-        for _ in range(tries):
-            if len(socks) == n:
-                break
+        while len(socks) < n:
+            if tries == 0:
+                raise RuntimeError(f"no {n} free ports on {host} in {_PICK_ATTEMPTS + 4 * n} tries")
+            tries -= 1
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            port = rng.choice(rng.choice(ranges))
-            if _bindable(s, host, port):
-                socks.append(s)
-            else:
+            try:
+                s.bind((host, rng.choice(span)))
+            except OSError:
                 s.close()
-        else:
-            if len(socks) < n:
-                raise RuntimeError(f"no {n} free ports on {host} in {tries} tries")
+                continue
+            socks.append(s)
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
@@ -96,9 +84,8 @@ def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> i
     if count <= 1:
         return free_port(host)
     rng = random.Random()
-    ranges = [r for r in _candidate_ports() if len(r) > count]
+    span = _candidate_ports()
     for _ in range(attempts):
-        span = rng.choice(ranges)
         base = rng.randrange(span.start, span.stop - count)
         socks = []
         try:

@@ -316,12 +316,10 @@ def test_decode_killed_midstream(nixl_pair, victim) -> None:
             stream.close()
         else:
             raise AssertionError("no stream landed on the victim in 4 tries")
-        got = 3
         os.killpg(victim.process.pid, signal.SIGKILL)  # the decode server dies mid-stream
         with pytest.raises(openai.APIError):
             for _chunk in chunks:
-                got += 1
-        assert got < 3000, "the stream ended early, with an error"
+                pass
         wait_until(lambda: not running.state.decode.backends[0].healthy, 30, "victim ejected")
         for _ in range(2):  # later requests avoid the dead server
             out = c.completions.create(model="tiny", prompt="after", max_tokens=3)
