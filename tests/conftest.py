@@ -9,6 +9,7 @@ session ends (also when it fails).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -101,6 +102,21 @@ class ServerPool:
             self.wait_all(key)
             server = self.group.servers[key]
         return server
+
+    def side_port(self, key: str) -> int:
+        """The side-channel port server ``key`` runs with, read from its command line: a start
+        that was tried again ran on fresh ports (``with_fresh_side_ports``), so the port a test
+        chose before starting it may not be the one it listens on."""
+        argv = self.group.servers[key].process.argv
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        extra = config.get("kv_connector_extra_config") or {}
+        if "side_channel_port" in extra:
+            return int(extra["side_channel_port"])
+        for inner in extra.get("connectors") or ():  # MultiConnector: the first that has one
+            inner_extra = inner.get("kv_connector_extra_config") or {}
+            if "side_channel_port" in inner_extra:
+                return int(inner_extra["side_channel_port"])
+        raise KeyError(f"server {key} has no side_channel_port in its --kv-transfer-config")
 
     def release(self, *keys: str) -> None:
         """Stop these servers now (no later module uses them): a server whose NIXL agent spins

@@ -56,8 +56,6 @@ class SplitservePair:
 def ss_pair(servers, tiny_model) -> SplitservePair:
     """The pair, started once per session (the connector and proxy modules share it). Whoever
     starts it chooses the side ports, so they are read back from the servers' command lines."""
-    import json
-
     from splitserve.netutil import free_ports
 
     pair = SplitservePair({})
@@ -74,11 +72,7 @@ def ss_pair(servers, tiny_model) -> SplitservePair:
             )
     servers.wait_all(*keys)
     for key in keys:
-        server = servers.group.servers[key]
-        argv = server.process.argv
-        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        side_port = int(config["kv_connector_extra_config"]["side_channel_port"])
-        pair.servers[key] = (server.url, side_port)
+        pair.servers[key] = (servers.group.servers[key].url, servers.side_port(key))
     return pair
 
 

@@ -316,7 +316,7 @@ def test_push_prefill_server(pair, servers, tiny_model):
     push_p = servers.vllm(
         "ss-push-p", tiny_model, kv_transfer_config=kv, extra_args=pair.extra_args, cpu_core=0
     )
-    p, d = (push_p.url, side), pair["ss-b"]
+    p, d = (push_p.url, servers.side_port("ss-push-p")), pair["ss-b"]
     for i, length in enumerate([BLOCK + 1, 1300]):
         prompt = prompt_of(length, 1500 + i)
         ref = reference(push_p.url, prompt)

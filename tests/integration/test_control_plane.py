@@ -9,7 +9,6 @@ attacker, real vLLM servers for everything under test.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import threading
@@ -477,10 +476,7 @@ def open_pair(servers, tiny_model) -> dict[str, tuple[str, int]]:
         )
     servers.wait_all(*keys)
     for key in keys:
-        server = servers.group.servers[key]
-        argv = server.process.argv
-        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        pair[key] = (server.url, int(config["kv_connector_extra_config"]["side_channel_port"]))
+        pair[key] = (servers.group.servers[key].url, servers.side_port(key))
     return pair
 
 

@@ -127,7 +127,7 @@ def fleet(servers, tiny_model, remote_tier):
     )
     servers.wait_all("lmc-p1", "lmc-p2", "lmc-d")
     urls = {k: group.servers[k].url for k in ("lmc-p1", "lmc-p2", "lmc-d")}
-    return {**urls, "p2-side": p2_side}
+    return {**urls, "p2-side": servers.side_port("lmc-p2")}
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -42,7 +42,7 @@ def guarded_d(ss_pair, servers, tiny_model) -> tuple[str, int]:
         extra_args=[*ss_pair.extra_args, "--middleware", SPLITSERVE_GUARD],
         cpu_core=1,
     )
-    return server.url, side
+    return server.url, servers.side_port("ss-guarded-d")
 
 
 def post_raw(url: str, path: str, body: dict) -> tuple[int, dict]:

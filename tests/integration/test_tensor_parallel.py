@@ -32,7 +32,6 @@ In ``make test``: on our 2 cores it passes with the two settings above (``TORCHD
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import urllib.error
 import urllib.request
@@ -133,9 +132,7 @@ def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
     for key in sizes:
         server = servers.group.servers[key]
         out["logs"][key] = Path(server.process.log_path)
-        argv = server.process.argv
-        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        out[key] = (server.url, int(config["kv_connector_extra_config"]["side_channel_port"]))
+        out[key] = (server.url, servers.side_port(key))
     return out
 
 
