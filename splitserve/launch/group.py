@@ -113,7 +113,7 @@ class ServerGroup:
         with self._lock:
             if name in self.servers:
                 raise ValueError(f"a server named {name!r} is already in this group")
-            proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=env)
+            proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=env, nice=nice)
             server = Server(name, host, port, proc, ready_path, last_used=time.monotonic())
             self.servers[name] = server
         proc.start()
@@ -202,7 +202,9 @@ class ServerGroup:
             old.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(old.log_path, "a", encoding="utf-8") as log:
                 log.write(f"\n===== splitserve: {note} =====\n")
-        proc = ManagedProcess(old.name, old.argv, old.log_path, env=old.env, cwd=old.cwd)
+        proc = ManagedProcess(
+            old.name, old.argv, old.log_path, env=old.env, cwd=old.cwd, nice=old.nice
+        )
         server.process = proc
         server.ready = False
         server.last_used = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -72,5 +73,10 @@ def test_cpus_and_nice_apply_to_the_process_and_its_children(tmp_path) -> None:
         for proc in tree:
             assert proc.cpu_affinity() == [cpu], proc
             assert proc.nice() == 5, proc
+        # The process starts a session of its own: where sessions are scheduling groups
+        # (autogroups), the group is niced too, or the niceness would not count against others.
+        autogroup = Path(f"/proc/{root.pid}/autogroup")
+        if autogroup.exists():
+            assert autogroup.read_text().split()[-1] == "5", autogroup.read_text()
     finally:
         group.stop()
