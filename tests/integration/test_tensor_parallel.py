@@ -21,7 +21,8 @@ engines pinned to one core missed the side channel's bounds: docs/connector-prot
 A D waiting for KV steps continuously, and with TP 2 every step is a broadcast that its two
 workers poll for. ``tp-d`` is not niced: earlier runs started it under ``nice -n 10``, which did
 nothing across sessions (autogroups: splitserve.launch.process.set_session_nice); once its whole
-session was niced, D's own registrations reached P after P's 20 s lease and the module failed.
+session was niced, D's own registrations reached P after P's 20 s lease and the module failed
+(in a run that shared the machine with a second test suite).
 What vLLM CPU needs for TP 2 here is in docs/connector-protocol.md, "Ranks".
 
 In ``make test``: on our 2 cores it passes with the two settings above (``TORCHDYNAMO_DISABLE``,
