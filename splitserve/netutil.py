@@ -22,6 +22,11 @@ import urllib.request
 # binding port 0, lies inside that range: a busy machine's HTTP and UCX clients took such ports
 # before the servers chosen them could bind, seen in the test suite as "Address already in use").
 _LOW_PORT = 10000
+# SGLang picks the port its scheduler binds later (``nccl_port``) the same way, from
+# 22000-29999 (``sglang.srt.utils.network.get_free_port_below_ephemeral``): ports chosen here
+# stay out of that span too, so that neither can choose a port the other chose and has not
+# bound yet.
+_SGLANG_SPAN = range(22000, 30000)
 _EPHEMERAL_FALLBACK = (32768, 60999)
 _PICK_ATTEMPTS = 500
 _HIGHEST_BASE = 65000 - 64  # room for a server's consecutive ports (ranks, pools)
@@ -37,11 +42,13 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def _candidate_ports() -> range:
-    """The ports to pick from: below the ephemeral range when it leaves room there (it does
-    with Linux's default, 32768-60999), else above it, short of the top (a chosen port is often
+    """The ports to pick from: below the ephemeral range and SGLang's span when that leaves
+    room (it does with Linux's default range, 32768-60999), else below the ephemeral range,
+    else above it, short of the top (a chosen port is often
     a base that consecutive ports follow, and settings cap bases at 65000)."""
     low, high = _ephemeral_range()
-    for span in (range(_LOW_PORT, low), range(high + 1, _HIGHEST_BASE)):
+    below = range(_LOW_PORT, min(low, _SGLANG_SPAN.start))
+    for span in (below, range(_LOW_PORT, low), range(high + 1, _HIGHEST_BASE)):
         if len(span) >= 1000:
             return span
     return range(_LOW_PORT, _HIGHEST_BASE)
