@@ -124,7 +124,7 @@ class Answer:
     def __init__(self) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.body = b""
+        self.body = bytearray()  # appended in place: bytes += would copy the whole body each time
         self.complete = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
