@@ -180,6 +180,7 @@ INTEGRATION_ORDER = [
     "test_proxy_sglang.py",  # the same pair
     "test_sglang_server.py",
     "test_engines_cross_host.py",  # "sglang-single" as reference; its own test-bed pairs
+    "test_sglang_failures.py",  # "sglang-single" as reference, while it still runs
     "test_up.py",  # its own deployment, not the pool
 ]
 

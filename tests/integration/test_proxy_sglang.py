@@ -28,6 +28,15 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["hello world the quick brown fox", "the kv cache moves from prefill to decode " * 20]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_the_pair_after(servers) -> Iterator[None]:
+    """The last module of the SGLang PD pair (tests/conftest.py's module order): its servers
+    stop when it ends, so that the next modules' starts evict them and not ``sglang-single``,
+    which test_engines_cross_host and test_sglang_failures use next."""
+    yield
+    servers.release("sglang-pd-prefill", "sglang-pd-decode", "sglang-router", "sglang-proxy")
+
+
 @pytest.fixture(scope="module")
 def proxy(sglang_pd) -> Iterator[BackgroundProxy]:
     config = build_config(

@@ -383,6 +383,8 @@ def fronts(pair, servers, tiny_model) -> Fronts:
     """``sglang-fail-p1`` / ``sglang-fail-d2`` (whatever earlier tests left, started or
     restarted as needed) and the single server."""
     group = servers.group
+    if SINGLE in group.servers:  # first: protected from the evictions the pair's starts make
+        group.touch(SINGLE)
     pair.ensure(P_KEY, "prefill")
     pair.ensure(D_KEY, "decode")
     if SINGLE not in group.servers:
