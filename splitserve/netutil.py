@@ -65,12 +65,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     rng = random.Random()
     span = _candidate_ports()
     socks: list[socket.socket] = []
-    tries = _PICK_ATTEMPTS + 4 * n
+    limit = _PICK_ATTEMPTS + 4 * n
+    tries = 0
     try:
         while len(socks) < n:
-            if tries == 0:
-                raise RuntimeError(f"no {n} free ports on {host} in {_PICK_ATTEMPTS + 4 * n} tries")
-            tries -= 1
+            if tries == limit:
+                raise RuntimeError(f"no {n} free ports on {host} in {limit} tries")
+            tries += 1
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind((host, rng.choice(span)))

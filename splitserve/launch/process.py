@@ -43,9 +43,9 @@ def tail_lines(data: bytes, lines: int, cut: bool = False) -> str:
     return "\n".join(split[-lines:])
 
 
-def set_session_nice(pid: int, nice: int) -> bool:
-    """Give the session of ``pid`` (its autogroup) the priority ``nice``; False where the kernel
-    has no autogroups (the process's own niceness then applies as usual).
+def set_session_nice(pid: int, nice: int) -> None:
+    """Give the session of ``pid`` (its autogroup) the priority ``nice``; nothing to do where the
+    kernel has no autogroups (the process's own niceness then applies as usual).
 
     Why: with ``sched_autogroup_enabled`` (the default on desktop and many server kernels), every
     session is one scheduling group, and groups share the CPU as equals whatever their threads'
@@ -59,8 +59,6 @@ def set_session_nice(pid: int, nice: int) -> bool:
         path.write_text(str(nice))
     except OSError as exc:
         logger.debug("no autogroup priority for pid %d (%s): its own niceness applies", pid, exc)
-        return False
-    return True
 
 
 class ProcessStartError(RuntimeError):
