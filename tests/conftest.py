@@ -173,8 +173,8 @@ INTEGRATION_ORDER = [
     "test_proxy_splitserve.py",  # "ss-a", "ss-b"
     "test_proxy_decide.py",  # "ss-a", "ss-b"
     "test_discovery.py",  # "ss-a", "ss-b", "ss-c"
+    "test_prefill_allowlist.py",  # "ss-a", "ss-b", "ss-c"
     "test_control_plane.py",  # "ss-a", "ss-b"
-    "test_prefill_allowlist.py",  # "ss-a", "ss-b" and its own guarded D
     "test_proxy_vllm.py",  # stock NIXL pair
     "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
     "test_proxy_sglang.py",  # the same pair

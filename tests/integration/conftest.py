@@ -76,6 +76,36 @@ def ss_pair(servers, tiny_model) -> SplitservePair:
     return pair
 
 
+# A third server of the pair: unpinned with one OpenMP thread (pinned beside ss-a, the two
+# engines' threads share one core and P's side channel misses its 5 s handshake and heartbeat
+# bounds, connector-protocol.md).
+UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def ss_guarded_third(ss_pair, servers, tiny_model) -> tuple[str, int]:
+    """``(url, side_port)`` of ``ss-c``, a third server of the pair, deployed as ``splitserve up``
+    deploys D: it may contact prefill side channels on 127.0.0.1 only and runs the request guard
+    (``--middleware``). test_discovery uses it as its second D and test_prefill_allowlist as its
+    guarded D (the next module: one start for both)."""
+    from splitserve.launch.engines import SPLITSERVE_GUARD
+    from splitserve.netutil import free_ports
+
+    kv = ss_pair.kv_config(free_ports(1)[0])
+    kv["kv_connector_extra_config"]["allowed_prefill_hosts"] = ["127.0.0.1"]
+    server = servers.vllm(
+        "ss-c",
+        tiny_model,
+        kv_transfer_config=kv,
+        extra_args=[*ss_pair.extra_args, "--middleware", SPLITSERVE_GUARD],
+        cpu_core=None,
+        env=UNPINNED,
+        wait=False,
+    )
+    servers.wait_all("ss-a", "ss-b", "ss-c")
+    return server.url, servers.side_port("ss-c")
+
+
 @dataclass(frozen=True)
 class SglangPD:
     """A real SGLang PD pair (splitserve's transfer backend on host memory) and SGLang's router."""

@@ -8,9 +8,11 @@ stream is unlisted (the stream completes, no new request goes to it, it leaves t
 text through the proxy equals a colocated server's throughout.
 
 Servers: the connector tests' pair (``ss_pair``: ``ss-a`` prefills, ``ss-b`` decodes) and a
-third server of the pair, ``ss-c``, the second D. The servers all listen on 127.0.0.1, so the
-DNS names are SRV records (each server's own port), as a headless Service publishes for a named
-port; the A-record path is checked against the same dnsmasq without engines.
+third server of the pair, ``ss-c``, the second D (deployed as ``splitserve up`` deploys D, with
+the prefill allowlist and the request guard; test_prefill_allowlist's D). The servers all listen
+on 127.0.0.1, so the DNS names are SRV records (each server's own port), as a headless Service
+publishes for a named port; the A-record path is checked against the same dnsmasq without
+engines.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import pytest
 import yaml
 from metrics_text import fetch_metrics, metric_sum
 
-from splitserve.netutil import free_port, free_ports, http_ok
+from splitserve.netutil import free_port, http_ok
 from splitserve.proxy.discovery import DnsResolver, ResolveError
 from splitserve.proxy.discovery_config import DiscoverySettings, DnsPool
 
@@ -136,24 +138,10 @@ def test_a_records_nxdomain_and_a_dead_server(dns) -> None:
 # ---------------------------------------------------------------------- the real fleet
 
 
-UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-
-
 @pytest.fixture(scope="module")
-def fleet(ss_pair, servers, tiny_model):
+def fleet(ss_pair, ss_guarded_third):
     """(P url, P side port), D1 url, D2 url."""
-    second = servers.vllm(
-        "ss-c",
-        tiny_model,
-        kv_transfer_config=ss_pair.kv_config(free_ports(1)[0]),
-        extra_args=ss_pair.extra_args,
-        # Not pinned: pinned beside ss-a (P), the two engines' OpenMP threads share one core and
-        # P's side channel misses its 5 s handshake and heartbeat bounds (connector-protocol.md).
-        cpu_core=None,
-        env=UNPINNED,
-    )
-    servers.wait_all("ss-a", "ss-b", "ss-c")
-    return ss_pair["ss-a"], ss_pair["ss-b"][0], second.url
+    return ss_pair["ss-a"], ss_pair["ss-b"][0], ss_guarded_third[0]
 
 
 class ProxyProcess:

@@ -23,26 +23,13 @@ from test_connector_vllm import (
     reference,
 )
 
-from splitserve.launch.engines import SPLITSERVE_GUARD
-from splitserve.netutil import free_ports
-
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def guarded_d(ss_pair, servers, tiny_model) -> tuple[str, int]:
+def guarded_d(ss_guarded_third) -> tuple[str, int]:
     """``(url, side_port)`` of a D that may contact prefill side channels on 127.0.0.1 only."""
-    side = free_ports(1)[0]
-    kv = ss_pair.kv_config(side)
-    kv["kv_connector_extra_config"]["allowed_prefill_hosts"] = ["127.0.0.1"]
-    server = servers.vllm(
-        "ss-guarded-d",
-        tiny_model,
-        kv_transfer_config=kv,
-        extra_args=[*ss_pair.extra_args, "--middleware", SPLITSERVE_GUARD],
-        cpu_core=1,
-    )
-    return server.url, servers.side_port("ss-guarded-d")
+    return ss_guarded_third
 
 
 def post_raw(url: str, path: str, body: dict) -> tuple[int, dict]:
