@@ -307,15 +307,21 @@ def test_layers_are_posted_during_the_forward(pair, tiny_model):
     assert metric(p_url, "vllm:splitserve_forward_tail_seconds_count") == tails + 1
 
 
-def test_push_prefill_server(pair, servers, tiny_model):
-    """A P whose connector sets ``"direction": "push"`` (WRITEs into D) serving the pair's D
-    (which follows P's direction): greedy tokens equal colocated, chunked and first-token."""
-    side = free_ports(1)[0]
-    kv = pair.kv_config(side)
+@pytest.fixture(scope="module")
+def push_p(pair, servers, tiny_model):
+    """A third server of the pair whose connector sets ``"direction": "push"``. It prefills
+    with pushes, then is the D that test_decode_killed_mid_transfer_prefill_frees_and_serves
+    kills (a D follows its P's direction, so it pulls from ss-a there): one start for both."""
+    kv = pair.kv_config(free_ports(1)[0])
     kv["kv_connector_extra_config"]["direction"] = "push"
-    push_p = servers.vllm(
+    return servers.vllm(
         "ss-push-p", tiny_model, kv_transfer_config=kv, extra_args=pair.extra_args, cpu_core=0
     )
+
+
+def test_push_prefill_server(pair, servers, push_p):
+    """A P whose connector sets ``"direction": "push"`` (WRITEs into D) serving the pair's D
+    (which follows P's direction): greedy tokens equal colocated, chunked and first-token."""
     p, d = (push_p.url, servers.side_port("ss-push-p")), pair["ss-b"]
     for i, length in enumerate([BLOCK + 1, 1300]):
         prompt = prompt_of(length, 1500 + i)
@@ -386,17 +392,11 @@ def test_prefill_killed_before_done_fails_the_decode_request_fast(pair):
     )
 
 
-def test_decode_killed_mid_transfer_prefill_frees_and_serves(pair, servers, tiny_model):
+def test_decode_killed_mid_transfer_prefill_frees_and_serves(pair, servers, push_p):
     """D registers, then dies while P computes a chunked prompt for it: whatever P had written,
     P frees the request's blocks within the lease (KV usage back to zero) and keeps serving."""
     (a_url, _) = pair["ss-a"]
-    victim = servers.vllm(
-        "ss-victim-d",
-        tiny_model,
-        kv_transfer_config=pair.kv_config(free_ports(1)[0]),
-        extra_args=pair.extra_args,
-        cpu_core=1,
-    )
+    victim = push_p
     received = metric(a_url, "vllm:splitserve_registrations_received_total")
     prompt = prompt_of(1300, 1100)  # three chunks on P
     prefill, decode = dispatch.vllm_concurrent_requests(
@@ -411,6 +411,7 @@ def test_decode_killed_mid_transfer_prefill_frees_and_serves(pair, servers, tiny
             assert time.monotonic() < end, "D's registration never reached P"
             time.sleep(0.1)
         victim.process.stop(grace=0)
+        servers.release("ss-push-p")  # dead: out of the pool
         assert "choices" in p_answer.result()
     wait_kv_usage_zero(a_url, bound=20 + 30)  # the lease, plus slack for a loaded machine
     other = prompt_of(200, 1200)
