@@ -264,7 +264,8 @@ def stream_then_kill(pair: Pair, p_key: str, d_key: str, victim: str, seed: int)
 def test_decode_killed_mid_transfer_prefill_frees_and_keeps_serving(pair):
     pair.start("sglang-fail-p1", "prefill")
     pair.start("sglang-fail-d1", "decode")
-    pair.wait("sglang-fail-p1", "sglang-fail-d1")
+    pair.start("sglang-fail-d2", "decode")  # the D after the kill: started beside the others
+    pair.wait("sglang-fail-p1", "sglang-fail-d1", "sglang-fail-d2")
     p_url = pair.url("sglang-fail-p1")
     baseline = used_tokens(p_url)
 
@@ -274,8 +275,6 @@ def test_decode_killed_mid_transfer_prefill_frees_and_keeps_serving(pair):
     wait_for(lambda: used_tokens(p_url) <= baseline, "prefill KV back to baseline")
     assert "splitserve transfer failed" in pair.log("sglang-fail-p1")
 
-    pair.start("sglang-fail-d2", "decode")
-    pair.wait("sglang-fail-d2")
     answers = Request(pair, "sglang-fail-p1", "sglang-fail-d2", prompt_of(2)[:200]).join()
     status, body = answers["sglang-fail-d2"]
     assert status == 200 and len(body["output_ids"]) == 8, (status, body)
