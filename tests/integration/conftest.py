@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from cpu_placement import UNPINNED
 from session_keys import TEST_KEY, key_env, test_key_file
 
 SGLANG_PD_CHUNK = 64
@@ -74,12 +75,6 @@ def ss_pair(servers, tiny_model) -> SplitservePair:
     for key in keys:
         pair.servers[key] = (servers.group.servers[key].url, servers.side_port(key))
     return pair
-
-
-# A third server of the pair: unpinned with one OpenMP thread (pinned beside ss-a, the two
-# engines' threads share one core and P's side channel misses its 5 s handshake and heartbeat
-# bounds, connector-protocol.md).
-UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")

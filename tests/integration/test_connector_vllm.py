@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import token_requests
 import zmq
+from cpu_placement import UNPINNED
 from metrics_text import fetch_metrics, metric_sum
 from server_logs import warnings_of
 from token_requests import MAX_TOKENS, assert_same, body_for, prompt_of, tokens, wait_kv_usage_zero
@@ -315,7 +316,12 @@ def push_p(pair, servers, tiny_model):
     kv = pair.kv_config(free_ports(1)[0])
     kv["kv_connector_extra_config"]["direction"] = "push"
     return servers.vllm(
-        "ss-push-p", tiny_model, kv_transfer_config=kv, extra_args=pair.extra_args, cpu_core=0
+        "ss-push-p",
+        tiny_model,
+        kv_transfer_config=kv,
+        extra_args=pair.extra_args,
+        cpu_core=None,  # it prefills beside ss-b's decode, then decodes beside ss-a's prefill
+        env=UNPINNED,
     )
 
 

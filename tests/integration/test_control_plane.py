@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import zmq
+from cpu_placement import UNPINNED
 from test_connector_vllm import (  # the same helpers as the connector's own tests
     assert_same,
     body_for,
@@ -471,7 +472,7 @@ def open_pair(servers, tiny_model) -> dict[str, tuple[str, int]]:
             # Not pinned: pinned beside ss-a / ss-b, two engines' OpenMP threads share a core
             # and the side channel misses its 5 s bounds (docs/connector-protocol.md).
             cpu_core=None,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+            env=UNPINNED,
             wait=False,
         )
     servers.wait_all(*keys)

@@ -49,6 +49,7 @@ import completion_client
 import psutil
 import pytest
 from completion_client import Outcome
+from cpu_placement import UNPINNED
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import test_key_file as key_file
 
@@ -171,7 +172,6 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
         "fm-d": ("auto", 1),
         BAD_D: ("auto", None),
     }
-    unpinned = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     other_key = write_key_file(tmp_path_factory.mktemp("fm-dx") / "auth.key", "not-this-fleets-key")
     try:
         for key, side in zip(KEYS, free_ports(len(KEYS)), strict=True):
@@ -185,7 +185,7 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
                 kv_transfer_config=_kv_config(side, direction, auth),
                 extra_args=extra,
                 cpu_core=core,
-                env=unpinned if core is None else None,
+                env=UNPINNED if core is None else None,
             )
         running.wait()
         yield running

@@ -24,6 +24,7 @@ import sys
 import time
 
 import pytest
+from cpu_placement import UNPINNED
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from session_keys import test_key_file as key_file
@@ -122,7 +123,7 @@ def fleet(servers, tiny_model, remote_tier):
         # Not pinned: pinned beside P1, the two engines' OpenMP threads shared one core and a
         # handoff outlived P1's 20 s lease (docs/connector-protocol.md).
         cpu_core=None,
-        env={**key_env(), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+        env={**key_env(), **UNPINNED},
         wait=False,
     )
     servers.wait_all("lmc-p1", "lmc-p2", "lmc-d")
