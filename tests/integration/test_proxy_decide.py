@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from cpu_placement import UNPINNED
 from metrics_text import fetch_metrics, metric_sum, samples
 
 from splitserve.netutil import free_ports
@@ -240,12 +241,12 @@ def adaptive_decode(ss_pair, servers, tiny_model, tmp_path_factory) -> Iterator[
             "--additional-config",
             json.dumps(settings),
         ],
-        # Unpinned with one OpenMP thread, as test_discovery's third server: pinned beside ss-a,
-        # the two engines share a core and P's side channel misses its handshake bounds.
+        # Unpinned with one OpenMP thread, as the pair's other third servers (cpu_placement.py):
+        # pinned beside ss-a, the two engines share a core and P's side channel misses its
+        # handshake bounds.
         cpu_core=None,
         env={
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1",
+            **UNPINNED,
             "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("adaptive-d-prometheus")),
         },
     )

@@ -42,6 +42,7 @@ from pathlib import Path
 import psutil
 import pytest
 import token_requests
+from cpu_placement import UNPINNED
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import TEST_KEY
 from session_keys import test_key_file as key_file
@@ -63,9 +64,8 @@ BUDGET = 512  # P's --max-num-batched-tokens: a 1300-token prompt is three chunk
 # (get_masked_input_and_mask, inductor on CPU) that compiles at a server's first forward: 60-70
 # s here, holding the GIL, so the side channel's handshakes time out meanwhile (py-spy;
 # docs/connector-protocol.md, "Ranks"). Eager is what every other server here runs.
-UNPINNED = {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
+TP_ENV = {
+    **UNPINNED,
     "VLLM_SERVER_DEV_MODE": "1",
     "TORCHDYNAMO_DISABLE": "1",
 }
@@ -123,7 +123,7 @@ def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
                 "--distributed-executor-backend",
                 "mp",
             ],
-            env=UNPINNED,
+            env=TP_ENV,
             wait=False,
         )
     servers.wait_all(*sizes)
