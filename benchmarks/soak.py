@@ -154,8 +154,9 @@ def stop(deployed: Deployed) -> int | None:
     try:
         return deployed.up.proc.wait(timeout=120)
     except Exception:  # noqa: BLE001 - whatever happened, nothing may outlive the soak
-        deployed.up.stop(grace=5)
         return None
+    finally:
+        deployed.up.stop(grace=5)  # what is left of it, and its temp directory
 
 
 # -- load ----------------------------------------------------------------------------------------

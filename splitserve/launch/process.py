@@ -5,6 +5,15 @@ group), writes stdout and stderr to one log file, and is stopped as a whole tree
 group and every descendant, a grace period, then SIGKILL. Engines spawn helpers (vLLM's
 EngineCore, SGLang's scheduler and detokenizer), so killing only the top pid would leak them.
 
+Each process also gets a temporary directory of its own (``TMPDIR``), removed once its tree is
+stopped: the engines put their IPC sockets there (vLLM's ZMQ ``ipc://`` paths and its
+``file://`` rendezvous for TP ranks, SGLang's ``NamedTemporaryFile`` names), and a tree stopped
+with SIGKILL never removes them: about ten files in ``/tmp`` per server start, thousands over a
+test suite (not where the temp directory's path is so long that the engines' socket paths would
+pass the 107-byte limit: the tree then keeps it). Torch inductor's cache, which defaults to a
+folder of the temp directory, is kept where it was (``TORCHINDUCTOR_CACHE_DIR``), so that
+compiled kernels outlive a restart.
+
 Readiness is a bounded wait on a probe; a process that exits or misses its deadline raises
 ``ProcessStartError`` carrying the tail of its log, so a failing start explains itself. Ports and
 HTTP probes: ``splitserve.netutil``.
@@ -13,10 +22,14 @@ HTTP probes: ``splitserve.netutil``.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,6 +54,27 @@ def tail_lines(data: bytes, lines: int, cut: bool = False) -> str:
     if cut and len(split) > 1:
         split = split[1:]
     return "\n".join(split[-lines:])
+
+
+# A process tree's own temp directory: ``ss-`` and mkdtemp's 8 characters. Short, because a Unix
+# socket's path has at most 107 bytes and vLLM names its sockets with a 36-character uuid.
+SCRATCH_PREFIX = "ss-"
+_SUN_PATH_MAX = 107
+_ENGINE_SOCKET_NAME = 36
+
+
+def scratch_fits(base: str) -> bool:
+    """Whether a scratch directory under ``base`` leaves room for the engines' socket names
+    (else the tree keeps ``base``, as it would without us)."""
+    scratch = len(os.path.join(base, SCRATCH_PREFIX + "x" * 8))
+    return scratch + 1 + _ENGINE_SOCKET_NAME <= _SUN_PATH_MAX
+
+
+def inductor_cache_dir() -> str:
+    """Where torch inductor caches compiled kernels when ``TORCHINDUCTOR_CACHE_DIR`` is unset
+    (its ``default_cache_dir``: a folder of the temp directory named after the user)."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def set_session_nice(pid: int, nice: int) -> None:
@@ -95,6 +129,9 @@ class ManagedProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         # Where this run's lines begin in the log file (set by ``start``).
         self.log_offset = 0
+        # The process tree's own TMPDIR (set by ``start`` unless ``env`` names one; removed by
+        # ``stop``).
+        self.scratch_dir: Path | None = None
 
     @property
     def pid(self) -> int | None:
@@ -105,17 +142,25 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
-        with open(self.log_path, "ab") as log:
-            self.log_offset = log.seek(0, os.SEEK_END)
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=self.cwd,
-                start_new_session=True,
-            )
+        if "TMPDIR" not in (self.env or {}) and scratch_fits(tempfile.gettempdir()):
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+            self.scratch_dir = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+            env["TMPDIR"] = str(self.scratch_dir)
+        try:
+            with open(self.log_path, "ab") as log:
+                self.log_offset = log.seek(0, os.SEEK_END)
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                )
+        except BaseException:
+            self._remove_scratch_dir()
+            raise
         if self.nice:
             set_session_nice(self.proc.pid, self.nice)
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
@@ -188,7 +233,13 @@ class ManagedProcess:
         psutil.wait_procs(list(leftovers.values()), timeout=5)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        self._remove_scratch_dir()
         logger.info("stopped %s (pid %d)", self.name, self.proc.pid)
+
+    def _remove_scratch_dir(self) -> None:
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+            self.scratch_dir = None
 
     def __enter__(self) -> ManagedProcess:
         return self.start()

@@ -79,7 +79,12 @@ TP_ENV = {
 # rank-kill test is bounded by P's lease and vLLM's executor)
 PEER_LIVENESS_S = 180
 REQUEST_TIMEOUT = 300.0
-LEASE_S = 20
+# P's hold on a share: DONE waiting for D's PULLED, an early registration waiting for P's request.
+# 20 s was passed twice in CI (2026-12-06): D's API server, engine and both workers silent for
+# 20-25 s in the first row (P expired a share D was still pulling) and, in another run, the
+# rank-kill test's D request held past it before the test saw it held. A lease is a tolerance
+# here, not what a test measures; the rank-kill test waits one out.
+LEASE_S = 60
 
 
 def _kv_config(side_port: int, **settings) -> dict:

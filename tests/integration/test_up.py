@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -54,10 +55,20 @@ def _config(tmp_path: Path, **changes) -> tuple[Path, dict]:
     return path, data
 
 
-def _up(tmp_path: Path, config: Path) -> ManagedProcess:
-    return ManagedProcess(
-        "up", [sys.executable, "-m", "splitserve.cli", "up", str(config)], tmp_path / "up.log"
-    ).start()
+@pytest.fixture
+def start_up(tmp_path: Path) -> Iterator[Callable[[Path], ManagedProcess]]:
+    """Starts ``splitserve up`` on a config; after the test (which checks what ``up`` left
+    behind first), ``stop`` ends whatever is left and removes ``up``'s temp directory."""
+    started: list[ManagedProcess] = []
+
+    def start(config: Path) -> ManagedProcess:
+        argv = [sys.executable, "-m", "splitserve.cli", "up", str(config)]
+        started.append(ManagedProcess("up", argv, tmp_path / "up.log").start())
+        return started[-1]
+
+    yield start
+    for up in started:
+        up.stop()
 
 
 def _descendants(proc: ManagedProcess) -> list[psutil.Process]:
@@ -72,9 +83,9 @@ def _wait_exit(proc: ManagedProcess, timeout: float) -> int:
     return proc.proc.wait(timeout=timeout)
 
 
-def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model) -> None:
+def test_demo_deployment_serves_and_stops_clean(tmp_path, tiny_model, start_up) -> None:
     config, data = _config(tmp_path, model={"preset": None, "path": str(tiny_model)})
-    up = _up(tmp_path, config)
+    up = start_up(config)
     proxy = f"http://127.0.0.1:{data['proxy']['port']}"
     children: list[psutil.Process] = []
     try:
@@ -178,25 +189,25 @@ def _kill_decode_and_see_it_restarted(
     assert "prefill-0 exited" not in up.tail(400) and "proxy exited" not in up.tail(400)
 
 
-def test_port_taken_fails_fast_and_starts_nothing(tmp_path, tiny_model) -> None:
+def test_port_taken_fails_fast_and_starts_nothing(tmp_path, tiny_model, start_up) -> None:
     config, data = _config(tmp_path, model={"preset": None, "path": str(tiny_model)})
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", data["proxy"]["port"]))
         holder.listen()
-        up = _up(tmp_path, config)
+        up = start_up(config)
         rc = _wait_exit(up, timeout=120)
     assert rc == 1
     assert f"proxy.port: port {data['proxy']['port']}" in up.tail()
     assert not list((tmp_path / "run").glob("logs/*.log")), "a server was started"
 
 
-def test_server_that_cannot_start_stops_the_rest(tmp_path, tiny_model) -> None:
+def test_server_that_cannot_start_stops_the_rest(tmp_path, tiny_model, start_up) -> None:
     config, data = _config(
         tmp_path,
         model={"preset": None, "path": str(tiny_model)},
         prefill={"args": ["--no-such-engine-flag"]},
     )
-    up = _up(tmp_path, config)
+    up = start_up(config)
     rc = _wait_exit(up, timeout=600)
     out = up.tail(80)
     assert rc == 1, out

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
 from splitserve.launch.group import ServerGroup
+from splitserve.launch.process import SCRATCH_PREFIX, inductor_cache_dir, scratch_fits
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -80,3 +83,56 @@ def test_cpus_and_nice_apply_to_the_process_and_its_children(tmp_path) -> None:
             assert autogroup.read_text().split()[-1] == "5", autogroup.read_text()
     finally:
         group.stop()
+
+
+def test_each_process_tree_gets_a_temp_dir_removed_when_it_stops(tmp_path) -> None:
+    """Engines leave IPC sockets in the temp directory when their tree is killed: each managed
+    process gets a TMPDIR of its own (its children inherit it), removed by ``stop``; torch
+    inductor's cache stays where the parent's temp directory would put it."""
+    report = tmp_path / "report.json"
+    child = (
+        "import json, os, socket, subprocess, sys, tempfile, time\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(tempfile.gettempdir(), 'ipc'))\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"json.dump({{'tmp': tempfile.gettempdir(), 'inductor': os.environ.get("
+        f"'TORCHINDUCTOR_CACHE_DIR')}}, open({str(report)!r}, 'w'))\n"
+        "time.sleep(120)\n"
+    )
+    group = ServerGroup(tmp_path / "logs")
+    try:
+        server = group.add("scratch", [sys.executable, "-c", child], port=1)
+        deadline = time.monotonic() + 30
+        while not report.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen = json.loads(report.read_text())
+        scratch = Path(seen["tmp"])
+        assert scratch == server.process.scratch_dir
+        assert scratch.parent == Path(tempfile.gettempdir())
+        assert scratch.name.startswith(SCRATCH_PREFIX)
+        assert (scratch / "ipc").is_socket()
+        assert seen["inductor"] == inductor_cache_dir()
+        assert Path(seen["inductor"]).parent == Path(tempfile.gettempdir())
+    finally:
+        group.stop()
+    assert not scratch.exists()
+
+
+def test_a_caller_tmpdir_is_kept(tmp_path) -> None:
+    """A TMPDIR the caller names is the process's, not ours to remove."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    group = ServerGroup(tmp_path / "logs")
+    try:
+        server = group.add("named", SLEEPER, port=1, env={"TMPDIR": str(mine)})
+        assert server.process.scratch_dir is None
+        assert psutil.Process(server.process.pid).environ()["TMPDIR"] == str(mine)
+    finally:
+        group.stop()
+    assert mine.is_dir()
+
+
+def test_no_scratch_dir_where_socket_paths_would_be_too_long() -> None:
+    """A Unix socket path has at most 107 bytes; vLLM's are its temp directory and a uuid."""
+    assert scratch_fits("/tmp")
+    assert scratch_fits("/" + "d" * 57)
+    assert not scratch_fits("/" + "d" * 58)
