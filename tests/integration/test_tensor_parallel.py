@@ -19,10 +19,12 @@ Three servers of one tiny model with 4 KV heads (so TP 1, 2 and 4 divide them), 
 On our 2 cores the five engine processes run unpinned with one OpenMP thread each (two
 engines pinned to one core missed the side channel's bounds: docs/connector-protocol.md).
 A D waiting for KV steps continuously, and with TP 2 every step is a broadcast that its two
-workers poll for. ``tp-d`` is not niced: earlier runs started it under ``nice -n 10``, which did
-nothing across sessions (autogroups: splitserve.launch.process.set_session_nice); once its whole
-session was niced, D's own registrations reached P after P's 20 s lease and the module failed
-(in a run that shared the machine with a second test suite).
+workers poll for: D's engine and both workers then take a core each (py-spy: vLLM's shm
+broadcast ``sched_yield``), and P's prefill, which D waits for, gets what is left. The two
+servers that act as D here (``tp-d``, and ``tp-ref`` in the P TP 2 -> D TP 1 rows) therefore
+run with their sessions niced (``WAITER_NICE``): their spinning yields to P's compute. Niced
+sessions once made D's registrations miss P's lease, when the lease was 20 s and the machine
+ran a second test suite beside this one; the lease is 60 s now.
 What vLLM CPU needs for TP 2 here is in docs/connector-protocol.md, "Ranks".
 
 In ``make test``: on our 2 cores it passes with the two settings above (``TORCHDYNAMO_DISABLE``,
@@ -85,6 +87,8 @@ REQUEST_TIMEOUT = 300.0
 # rank-kill test's D request held past it before the test saw it held. A lease is a tolerance
 # here, not what a test measures; the rank-kill test waits one out.
 LEASE_S = 60
+# The sessions of the servers that wait for KV as D (see the module docstring).
+WAITER_NICE = 10
 
 
 def _kv_config(side_port: int, **settings) -> dict:
@@ -131,6 +135,7 @@ def tp(servers, tmp_path_factory) -> dict[str, tuple[str, int]]:
                 "mp",
             ],
             env=TP_ENV,
+            nice=WAITER_NICE if key != "tp-p" else 0,
             wait=False,
         )
     servers.wait_all(*sizes)

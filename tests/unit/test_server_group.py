@@ -110,8 +110,10 @@ def test_each_process_tree_gets_a_temp_dir_removed_when_it_stops(tmp_path) -> No
         assert scratch.parent == Path(tempfile.gettempdir())
         assert scratch.name.startswith(SCRATCH_PREFIX)
         assert (scratch / "ipc").is_socket()
-        assert seen["inductor"] == inductor_cache_dir()
-        assert Path(seen["inductor"]).parent == Path(tempfile.gettempdir())
+        # The parent's own setting if it has one (importing SGLang sets it), else inductor's
+        # default under the parent's temp directory, not under the child's.
+        assert seen["inductor"] == os.environ.get("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+        assert not seen["inductor"].startswith(str(scratch))
     finally:
         group.stop()
     assert not scratch.exists()

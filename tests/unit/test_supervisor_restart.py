@@ -121,6 +121,7 @@ def test_tail_shows_only_the_current_run_of_an_appended_log(tmp_path) -> None:
     proc.proc.wait(timeout=30)
     assert proc.tail() == "this run"
     assert "an earlier run" in log.read_text()
+    proc.stop()  # its temp directory
 
 
 # --- the settings ----------------------------------------------------------------------------
