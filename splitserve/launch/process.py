@@ -72,7 +72,8 @@ def scratch_fits(base: str) -> bool:
 
 def inductor_cache_dir() -> str:
     """Where torch inductor caches compiled kernels when ``TORCHINDUCTOR_CACHE_DIR`` is unset
-    (its ``default_cache_dir``: a folder of the temp directory named after the user)."""
+    (its ``default_cache_dir``: a folder of the temp directory named after the user). Written
+    out rather than imported: the launcher does not import torch to start a process."""
     user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
     return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 

@@ -27,8 +27,9 @@ sessions once made D's registrations miss P's lease, when the lease was 20 s and
 ran a second test suite beside this one; the lease is 60 s now.
 What vLLM CPU needs for TP 2 here is in docs/connector-protocol.md, "Ranks".
 
-In ``make test``: on our 2 cores it passes with the two settings above (``TORCHDYNAMO_DISABLE``,
-``peer_liveness_s`` 180: docs/connector-protocol.md, "Ranks"). The last test kills a rank of
+In ``make test``: on our 2 cores it passes with the settings above (``TORCHDYNAMO_DISABLE``,
+``peer_liveness_s`` 180: docs/connector-protocol.md, "Ranks"; a 60 s lease and niced D sessions:
+docs/environment.md, "Scheduling stalls"). The last test kills a rank of
 ``tp-d``, so it runs last and nothing after it may need ``tp-d``.
 """
 
