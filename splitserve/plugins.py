@@ -6,7 +6,9 @@ adapters in (connectors and schedulers); the work stays in the adapters.
 ``register_vllm`` is vLLM's ``vllm.general_plugins`` entry point. vLLM calls it in every process
 it starts (API server, engine core, workers), sometimes more than once per process, before it
 reads ``--kv-transfer-config``; it registers the connector name ``SplitserveConnector`` lazily
-(the module is imported only when a server selects it).
+(the module is imported only when a server selects it). When ``$SPLITSERVE_VLLM_SHM_SPIN_S`` is
+set it also sets how long vLLM's shared-memory ring readers spin after a read
+(``splitserve.connectors.vllm.shm_spin``), in each process before its rings exist.
 
 ``register_sglang`` is SGLang's ``sglang.srt.plugins`` entry point. SGLang calls it once in each
 of its processes (launcher, scheduler, detokenizer, DP controller) through
@@ -42,8 +44,13 @@ _sglang_registered = False
 
 
 def register_vllm() -> None:
-    """Register ``SplitserveConnector`` with vLLM's connector factory (idempotent)."""
+    """Register ``SplitserveConnector`` with vLLM's connector factory, and apply
+    ``SPLITSERVE_VLLM_SHM_SPIN_S`` when set (both idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from splitserve.connectors.vllm import shm_spin
+
+    shm_spin.apply_from_env()
 
     if VLLM_CONNECTOR_NAME in KVConnectorFactory._registry:  # noqa: SLF001 (no public query)
         return

@@ -13,6 +13,7 @@ scheduler creates a CUDA event on prefix hits) and a decode server
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,15 @@ CPU_VLLM_ENV = {
 # channel's handshake to time out (seen: a D request failed "no PULLED within 20 s of DONE"
 # while P and D both compiled; docs/connector-protocol.md, "Ranks").
 CPU_EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+
+# Added on a CPU machine unless the caller's ``env`` or this process's environment sets it:
+# vLLM's shared-memory ring readers (every worker, and the engine reading its workers) poll every
+# 1 ms instead of spinning 1 s after each read (splitserve.connectors.vllm.shm_spin). A D waiting
+# for KV steps every millisecond, so on a host with fewer cores than engine processes its spinning
+# readers took the cores from the P it waited for: the TP module took 440 s with the spin (rows of
+# 20-40 s, shares expired) and 147 s without (rows of 2 s).
+# docs/environment.md, "Scheduling stalls".
+CPU_RING_ENV = {"SPLITSERVE_VLLM_SHM_SPIN_S": "0"}
 
 
 def tensor_parallel_size(argv: Sequence[str]) -> int:
@@ -93,7 +103,7 @@ def vllm_server(
     script of the CPU wheel is broken. On a CPU machine: fp32 (2.4x faster than bf16 without
     AVX512-BF16), eager mode, and ``cpu_core`` pins the server's OpenMP threads to one core so
     two servers side by side do not fight (with ``--tensor-parallel-size`` in ``extra_args``,
-    every rank's); ``CPU_EAGER_ENV`` on a CPU machine.
+    every rank's); ``CPU_EAGER_ENV`` and ``CPU_RING_ENV`` on a CPU machine.
     """
     argv = [
         python or sys.executable,
@@ -122,6 +132,7 @@ def vllm_server(
         full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(cpu_core)] * ranks)
     if cpu:
         full_env.update(CPU_EAGER_ENV)
+        full_env.update({k: v for k, v in CPU_RING_ENV.items() if k not in os.environ})
     full_env.update(env or {})
     return ServerCommand(argv=argv, env=full_env)
 

@@ -48,3 +48,14 @@ def test_the_callers_environment_wins_and_gpu_servers_get_nothing_of_it():
     assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     gpu = vllm_server("m", 8000, extra_args=["-tp", "2"], cpu=False)
     assert "TORCHDYNAMO_DISABLE" not in gpu.env
+
+
+def test_cpu_servers_poll_their_rings_unless_someone_else_set_the_spin(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_VLLM_SHM_SPIN_S", raising=False)
+    assert vllm_server("m", 8000).env["SPLITSERVE_VLLM_SHM_SPIN_S"] == "0"
+    assert "SPLITSERVE_VLLM_SHM_SPIN_S" not in vllm_server("m", 8000, cpu=False).env
+    caller = vllm_server("m", 8000, env={"SPLITSERVE_VLLM_SHM_SPIN_S": "0.5"})
+    assert caller.env["SPLITSERVE_VLLM_SHM_SPIN_S"] == "0.5"
+    # set in the launcher's own environment: the child inherits that value, not ours
+    monkeypatch.setenv("SPLITSERVE_VLLM_SHM_SPIN_S", "1")
+    assert "SPLITSERVE_VLLM_SHM_SPIN_S" not in vllm_server("m", 8000).env

@@ -19,7 +19,6 @@ Select it with ``--kv-transfer-config '{"kv_connector": "SplitserveConnector", "
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from splitserve.connectors.vllm.config import parse_connector_config
+from splitserve.connectors.vllm.logs import route_logs_to_vllm
 from splitserve.connectors.vllm.metadata import SplitserveConnectorMetadata
 from splitserve.connectors.vllm.ranks import check_parallel
 from splitserve.connectors.vllm.scheduler import SplitserveScheduler
@@ -57,17 +57,6 @@ def _total_kv_heads(vllm_config: VllmConfig) -> int:
         return 0
 
 
-def _route_logs_to_vllm() -> None:
-    """Our library loggers ("splitserve.*") write through vLLM's handlers, so their lines land
-    in the server's log like vLLM's own (at vLLM's level)."""
-    ours, theirs = logging.getLogger("splitserve"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(theirs.level)
-        ours.propagate = False
-
-
 class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
     """Layer-wise KV push over NIXL between a prefill and a decode vLLM server."""
 
@@ -78,7 +67,7 @@ class SplitserveConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _route_logs_to_vllm()
+        route_logs_to_vllm()
         transfer_config = vllm_config.kv_transfer_config
         self.config = parse_connector_config(transfer_config.kv_connector_extra_config)
         self.config.load_auth_key()  # a missing or unreadable key stops start-up here, clearly
