@@ -131,7 +131,7 @@ def proxy(
         _run_workers(config)
         return
 
-    from splitserve.proxy.server import serve
+    from splitserve.proxy.server import serve_until_stopped
 
     def started(bound_port: int) -> None:
         click.echo(
@@ -147,8 +147,8 @@ def proxy(
     except ImportError:
         run = asyncio.run
     try:
-        run(serve(config, started))
-    except KeyboardInterrupt:
+        run(serve_until_stopped(config, started))
+    except KeyboardInterrupt:  # a SIGINT before the loop ran
         logger.info("proxy stopped")
     except OSError as e:
         raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None

@@ -20,9 +20,11 @@ server does), and with it both upstream requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -417,3 +419,36 @@ async def serve(
         await asyncio.Event().wait()
     finally:
         await proxy.close()
+
+
+async def serve_until_stopped(
+    config: ProxyConfig,
+    started: Callable[[int], None] | None = None,
+    reuse_port: bool = False,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+) -> None:
+    """``serve`` in a process of its own, until one of ``signals``: SIGTERM (what Kubernetes,
+    ``splitserve up`` and the worker pool send) or SIGINT stops the proxy as ``close`` does (no
+    new connection; answers under way get ``shutdown_timeout_s``) and returns. Before, SIGTERM
+    ended the process at once, and a SIGINT that the parent shell had set to be ignored (a proxy
+    started in the background) did nothing: the process had to be killed. Main thread only."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    proxy = asyncio.ensure_future(serve(config, started, reuse_port))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({proxy, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        stopping.cancel()
+        if not proxy.done():
+            proxy.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await proxy
+    if stop.is_set():
+        logger.info("proxy stopped by a signal")
+    else:
+        proxy.result()  # serve's own error (a port it cannot listen on)

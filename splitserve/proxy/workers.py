@@ -37,7 +37,7 @@ def _worker_main(config_json: str, metrics_dir: str) -> None:
     import asyncio
 
     from splitserve.proxy.config import ProxyConfig
-    from splitserve.proxy.server import serve
+    from splitserve.proxy.server import serve_until_stopped
 
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -50,7 +50,7 @@ def _worker_main(config_json: str, metrics_dir: str) -> None:
     except ImportError:
         run = asyncio.run
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    run(serve(config, reuse_port=True))
+    run(serve_until_stopped(config, reuse_port=True, signals=(signal.SIGTERM,)))
 
 
 def _config_json(config: ProxyConfig) -> str:

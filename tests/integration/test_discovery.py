@@ -178,8 +178,9 @@ class ProxyProcess:
     def metrics(self) -> str:
         return fetch_metrics(self.url)
 
-    def stop(self) -> None:
-        """Stop it; its log's last lines go to the test's output (shown when it fails)."""
+    def stop(self) -> int:
+        """Stop it with SIGINT (its exit status: 0 when it stopped on the signal; killed after
+        30 s otherwise); its log's last lines go to the test's output (shown when it fails)."""
         print(f"--- {self.log_path.name} (last lines) ---")
         print("\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:]))
         self.proc.send_signal(signal.SIGINT)
@@ -189,6 +190,7 @@ class ProxyProcess:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        return self.proc.returncode
 
 
 def wait_for(cond: Callable[[], bool], bound_s: float, what: str) -> float:
@@ -377,7 +379,8 @@ def test_dns_pool_grows_and_drains(fleet, dns, tmp_path) -> None:
     try:
         _scenario(proxy, p_url, d1, d2, list_decode)
     finally:
-        proxy.stop()
+        stopped = proxy.stop()
+    assert stopped == 0, f"the proxy did not stop on SIGINT (exit status {stopped})"
 
 
 def test_pool_file_reloaded_on_sighup(fleet, tmp_path) -> None:
@@ -398,4 +401,5 @@ def test_pool_file_reloaded_on_sighup(fleet, tmp_path) -> None:
         _scenario(proxy, p_url, d1, d2, list_decode)
         assert "pool file reloaded" in proxy.log_path.read_text()
     finally:
-        proxy.stop()
+        stopped = proxy.stop()
+    assert stopped == 0, f"the proxy did not stop on SIGINT (exit status {stopped})"
