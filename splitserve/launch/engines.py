@@ -55,7 +55,7 @@ CPU_EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 # 1 ms instead of spinning 1 s after each read (splitserve.connectors.vllm.shm_spin). A D waiting
 # for KV steps every millisecond, so on a host with fewer cores than engine processes its spinning
 # readers took the cores from the P it waited for: the TP module took 440 s with the spin (rows of
-# 20-40 s, shares expired) and 147 s without (rows of 2 s).
+# 20-40 s, shares expired) and 107 s without (rows of about 2 s).
 # docs/environment.md, "Scheduling stalls".
 CPU_RING_ENV = {"SPLITSERVE_VLLM_SHM_SPIN_S": "0"}
 

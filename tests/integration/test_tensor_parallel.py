@@ -240,17 +240,17 @@ def assert_rows_equal_colocated(
     wait_kv_usage_zero(d[0])
 
 
-# -- P TP 2 -> D TP 2 ----------------------------------------------------------------------------
-
-
 def test_every_engine_process_polls_its_rings(tp):
     """The launcher's ``SPLITSERVE_VLLM_SHM_SPIN_S=0`` took effect in each server's engine and
-    every worker (each logs it once; the API server too), through our vLLM plugin: what keeps
+    every worker (each logs it once), through our vLLM plugin: what keeps
     this module's waiting D from starving its P (module docstring)."""
     line = re.compile(r"readers spin 0 s after a read \(SPLITSERVE_VLLM_SHM_SPIN_S; pid (\d+)\)")
     for key, engine_processes in (("tp-p", 3), ("tp-d", 3), ("tp-ref", 2)):
         pids = set(line.findall(log_text(tp, key)))
         assert len(pids) >= engine_processes, f"{key}: the ring setting logged by {pids}"
+
+
+# -- P TP 2 -> D TP 2 ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("first_token", [False, True], ids=["concurrent", "first-token"])

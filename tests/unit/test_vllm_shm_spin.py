@@ -30,7 +30,7 @@ def reader(cls, ctx: zmq.Context, tmp_path):
 
 def test_a_reader_built_after_it_spins_the_time_set_and_polls_in_short_sleeps(pristine, tmp_path):
     assert shm_spin.apply_from_env({ENV: "0"}) == 0.0
-    assert shm_spin.apply_from_env({ENV: "0"}) == 0.0  # idempotent: one wrapper, one default
+    assert shm_spin.apply_from_env({ENV: "0"}) == 0.0  # idempotent
     ctx = zmq.Context()
     try:
         condition = reader(pristine, ctx, tmp_path)
