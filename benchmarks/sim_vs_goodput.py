@@ -8,9 +8,11 @@ are. The request classes and the SLO are goodput.py's own constants (chat / docu
 ``DOC_SHARE``, ``SLO_TTFT_*``, ``SLO_GAP_P99_S``, ``ATTAINMENT_GOAL``), and capacity is its
 ``capacity()`` rule applied to both curves at the measured rates. Step times come from
 ``--calibration FILE`` (``splitserve plan --model splitserve-<preset> --kv-dtype fp32
---calibrate --json``: this machine's CPU as the accelerator ``calibrated``, and its NIXL link);
-without one, from the catalog roofline of ``--gpu`` (default H100), which says nothing about
-this machine (the output says which was used). Simulation is ``splitserve.planner.sim``'s
+--calibrate --json``: this machine's CPU as the accelerator ``calibrated``, and its NIXL link;
+or, better, ``benchmarks/calibrate_engine.py``'s file, whose ``step_model`` times whole steps
+of the served model and replaces the roofline unless ``--roofline`` is given); without one,
+from the catalog roofline of ``--gpu`` (default H100), which says nothing about this machine
+(the output says which was used). Simulation is ``splitserve.planner.sim``'s
 ``Simulation``, the code ``splitserve simulate`` runs; fleets are ``parse_fleet`` specs.
 
 ``--gflops`` / ``--gbps`` replace the accelerator's figures (a what-if, said in the output):
@@ -23,10 +25,10 @@ Contender -> fleet (derived from goodput.py's ``server_args`` and ``proxy_settin
 
 - ``colocated``: ``2C:<gpu>``, budget 2048 and 128 sequences (vLLM's CPU defaults for the API
   server; goodput.py passes no budget), least-outstanding routing;
-- ``colocated-lpt``: ``2C:<gpu>``, budget 4096. ``--long-prefill-token-threshold 256`` (no
-  prompt gets more than 256 tokens of a step) is **not modelled**: the simulator's chunking
-  gives a prompt whatever is left of the budget, so this is simulated as plain budget 4096;
-- ``colocated-adaptive``: ``2C:<gpu>/adaptive``, budget 4096;
+- ``colocated-lpt``: ``2C:<gpu>``, budget 4096 and ``long_prefill_token_threshold`` 256 (no
+  prompt gets more than 256 tokens of a step; the fleet's server setting of that name);
+- ``colocated-adaptive``: ``2C:<gpu>/adaptive``, budget 4096, the policy's target
+  ``goodput.ADAPTIVE_TARGET_MS`` (the fleet's ``adaptive_target_itl_ms``), as the servers run;
 - ``pd``: ``1P:<gpu>,1D:<gpu>/adaptive,first-token-from-prefill`` (the concurrent flow sends
   P's first token; D runs the adaptive scheduler in the benchmark too, idle with nothing to
   prefill);
@@ -40,14 +42,13 @@ Every server: fp32 KV and weights (the calibration's width), KV capacity 2 GiB
 
 Not modelled (where to look when a cell misses):
 
-- one CPU core per server beside the proxy and the load generator on the same two cores: the
-  calibration is one layer timed in torch, not vLLM's CPU kernels under that contention;
-- vLLM's per-step Python overhead (scheduler, sampling, detokenizing, streaming):
-  ``--step-overhead-ms`` adds a fixed cost per step (default 0);
+- one CPU core per server beside the proxy and the load generator on the same two cores: a
+  ``plan --calibrate`` file is one layer timed in torch, not vLLM's CPU kernels under that
+  contention; a ``calibrate_engine.py`` step model times the served engine's whole steps (its
+  per-step work included) with only its client beside it;
+- with the roofline, vLLM's per-step Python overhead (scheduler, sampling, detokenizing,
+  streaming): ``--step-overhead-ms`` adds a fixed cost per step (default 0);
 - the proxy's own latency per request and per streamed token;
-- ``long_prefill_token_threshold`` (above); the adaptive budget's target: the simulator aims
-  at the tightest class's inter-token bound (``SLO_GAP_P99_S``), goodput.py at
-  ``ADAPTIVE_TARGET_MS`` (0.6 x it), so simulated adaptive servers prefill larger chunks;
 - the SLO's gap figure: the benchmark takes each request's p99 inter-token gap, the simulator
   its largest gap (``itl_metric: max``; the same for outputs up to 100 tokens, slightly
   stricter above);
@@ -57,8 +58,9 @@ Not modelled (where to look when a cell misses):
 
 Usage:
 
+    .venv/bin/python benchmarks/calibrate_engine.py --preset mid --out runs/engine-cal-mid.json
     .venv/bin/python benchmarks/sim_vs_goodput.py --goodput runs/goodput-mid.json \\
-        --calibration runs/calibration-mid.json [--json runs/sim-vs-goodput-mid.json]
+        --calibration runs/engine-cal-mid.json [--json runs/sim-vs-goodput-mid.json]
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from splitserve.planner.calibration_file import load_calibration
+from splitserve.planner.calibration_file import EngineStepModel, load_calibration
 from splitserve.planner.catalog import ACCELERATORS, Accelerator, Link, get_link, get_model
 from splitserve.planner.pools import MEMORY_UTILISATION
 from splitserve.planner.roofline import weight_bytes_total
@@ -122,9 +124,9 @@ def _flag_value(args: list[str], flag: str) -> int | None:
     return int(args[args.index(flag) + 1]) if flag in args else None
 
 
-def fleet_spec(c: Any, gpu: str) -> tuple[str, int, list[str]]:
-    """(``--fleet`` spec, budget, what is not modelled) of one goodput contender, read from
-    goodput.py's own server flags and proxy settings."""
+def fleet_spec(c: Any, gpu: str) -> tuple[str, int, int]:
+    """(``--fleet`` spec, budget, ``long_prefill_token_threshold`` or 0) of one goodput
+    contender, read from goodput.py's own server flags and proxy settings."""
     pd = c.group == "pd"
     role = "d" if pd else "s0"
     flags = gp.server_args(c.group, role)
@@ -139,9 +141,8 @@ def fleet_spec(c: Any, gpu: str) -> tuple[str, int, list[str]]:
     if pd and proxy["flow"] == "concurrent":
         extra.append("first-token-from-prefill")
     pools = f"1P:{gpu},1D:{gpu}" if pd else f"2C:{gpu}"
-    lpt = _flag_value(flags, "--long-prefill-token-threshold")
-    missing = [f"long_prefill_token_threshold {lpt}"] if lpt else []
-    return pools + ("/" + ",".join(extra) if extra else ""), budget, missing
+    lpt = _flag_value(flags, "--long-prefill-token-threshold") or 0
+    return pools + ("/" + ",".join(extra) if extra else ""), budget, lpt
 
 
 def kv_limited(acc: Accelerator, model: Any, weight_bytes: int) -> Accelerator:
@@ -168,12 +169,14 @@ def compare(
     gpu: str,
     weight_bytes: int = 4,
     step_overhead_ms: float = 0.0,
+    step_model: EngineStepModel | None = None,
 ) -> dict[str, Any]:
     """Simulate every contender of a goodput ``report`` at its measured rates; the result's
     ``rows`` and ``capacity`` compare them (see ``markdown``)."""
     args = report["args"]
     model = get_model(f"splitserve-{args.get('preset') or 'tiny'}")
     accelerators = {gpu: kv_limited(accelerator, model, weight_bytes)}
+    step_models = {gpu: step_model} if step_model is not None else {}
     workload = bench_workload()
     measured: dict[str, dict[float, dict[str, Any]]] = {}
     for row in report["rows"]:
@@ -182,18 +185,22 @@ def compare(
     base = Fleet(
         pools=[PoolSpec(role="colocated", count=1, gpu=gpu)],
         server=ServerSettings(max_num_seqs=VLLM_CPU_SEQS, kv_dtype="fp32",
-                              weight_bytes=weight_bytes, step_overhead_ms=step_overhead_ms),
+                              weight_bytes=weight_bytes, step_overhead_ms=step_overhead_ms,
+                              adaptive_target_itl_ms=gp.ADAPTIVE_TARGET_MS),
         link=LinkSpec(name=link.name),
     )  # fmt: skip
     rows, caps = [], []
     for c in contenders:
-        spec, budget, missing = fleet_spec(c, gpu)
-        settings = base.server.model_copy(update={"max_num_batched_tokens": budget})
+        spec, budget, lpt = fleet_spec(c, gpu)
+        settings = base.server.model_copy(
+            update={"max_num_batched_tokens": budget, "long_prefill_token_threshold": lpt}
+        )
         fleet = parse_fleet(spec, base.model_copy(update={"server": settings}))
         sim_att: dict[float, float] = {}
         for rate in sorted(measured[c.name]):
             reqs = bench_requests(rate, float(args["duration"]), int(args.get("seed", gp.SEED)))
-            res = Simulation(model, fleet, workload, reqs, accelerators, link).run()
+            res = Simulation(model, fleet, workload, reqs, accelerators, link,
+                             step_models=step_models).run()  # fmt: skip
             m = measured[c.name][rate]
             sim_att[rate] = res.attainment
             apart = points_apart(m["attainment"], res.attainment)
@@ -215,7 +222,7 @@ def compare(
         m_att = {r: measured[c.name][r]["attainment"] for r in measured[c.name]}
         m_cap, s_cap = gp.capacity(m_att), gp.capacity(sim_att)
         ratio = capacity_ratio(m_cap, s_cap)
-        caps.append({"contender": c.name, "spec": spec, "not_modelled": missing,
+        caps.append({"contender": c.name, "spec": spec, "lpt": lpt,
                      "measured": m_cap, "simulated": s_cap, "ratio": ratio,
                      "top_rate": max(m_att),
                      "miss": not abs(ratio - 1) <= CAPACITY_SHARE})  # fmt: skip
@@ -225,6 +232,7 @@ def compare(
         "accelerator": accelerator.model_dump(),
         "link": link.model_dump(),
         "step_overhead_ms": step_overhead_ms,
+        "step_model": step_model.model_dump() if step_model is not None else None,
         "rows": rows,
         "capacity": caps,
     }
@@ -238,10 +246,21 @@ def _ttft(row: dict[str, Any], cls: str) -> str:
 
 def markdown(result: dict[str, Any], source: str = "") -> str:
     acc = result["accelerator"]
+    sm = result.get("step_model")
+    if sm:
+        timing = (
+            f"the engine's measured step model ({sm['intercept_ms']:.3g} ms + "
+            f"{sm['ms_per_1k_tokens']:.3g} ms/1k tokens + {sm['ms_per_100_sequences']:.3g} "
+            f"ms/100 sequences + {sm['ms_per_1m_pairs']:.3g} ms/1M pairs) from {source}"
+        )
+    else:
+        timing = (
+            f"{source or acc['name']} ({acc['bf16_flops'] / 1e9:.3g} GFLOP/s, "
+            f"{acc['mem_bytes_per_s'] / 1e9:.3g} GB/s)"
+        )
     lines = [
         result["slo"],
-        f"Model {result['model']}; step times: {source or acc['name']} "
-        f"({acc['bf16_flops'] / 1e9:.3g} GFLOP/s, {acc['mem_bytes_per_s'] / 1e9:.3g} GB/s), "
+        f"Model {result['model']}; step times: {timing}, "
         f"step overhead {result['step_overhead_ms']:g} ms; link {result['link']['name']}.",
         "",
         "| contender | fleet | rate (req/s) | measured | simulated | points apart "
@@ -268,7 +287,7 @@ def markdown(result: dict[str, Any], source: str = "") -> str:
         s_top = "^" if c["simulated"] == c["top_rate"] else ""
         ratio = "inf" if math.isinf(c["ratio"]) else f"{c['ratio']:.2f}"
         flag = " **miss**" if c["miss"] else ""
-        note = f" (not modelled: {', '.join(c['not_modelled'])})" if c["not_modelled"] else ""
+        note = f" (lpt {c['lpt']})" if c["lpt"] else ""
         lines.append(
             f"| {c['contender']}{note} | {c['measured']:g}{m_top} | {c['simulated']:g}{s_top} "
             f"| {ratio}{flag} |"
@@ -286,14 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gflops", type=float, help="what-if: replace the FLOP/s (GFLOP/s)")
     ap.add_argument("--gbps", type=float, help="what-if: replace the memory bandwidth (GB/s)")
     ap.add_argument("--json", type=Path, help="write the comparison here")
+    ap.add_argument(
+        "--roofline", action="store_true",
+        help="time steps by the calibration's roofline even when it holds a step model",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     report = json.loads(args.goodput.read_text())
     link = get_link(args.link)
+    step_model = None
     if args.calibration:
         cal = load_calibration(args.calibration)
         acc, gpu, wbytes = cal.accelerator, "calibrated", cal.weight_bytes
         link = cal.link or link
         source = f"calibration {args.calibration}"
+        if cal.step_model is not None and not args.roofline:
+            step_model = cal.step_model
     else:
         acc, gpu, wbytes = ACCELERATORS[args.gpu], args.gpu, 4
         source = f"catalog roofline {args.gpu} (no calibration: not this machine)"
@@ -302,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(what_if.values()):
         acc = acc.model_copy(update={k: v for k, v in what_if.items() if v})
         source += f", what-if {', '.join(f'{k}={v:g}' for k, v in what_if.items() if v)}"
-    result = compare(report, acc, link, gpu, wbytes, args.step_overhead_ms)
+    result = compare(report, acc, link, gpu, wbytes, args.step_overhead_ms, step_model)
     print(markdown(result, source))
     if args.json:
         args.json.write_text(json.dumps({"goodput": str(args.goodput), "source": source,

@@ -8,7 +8,12 @@ planner cannot run it (an H200 lent for minutes) is kept as a file and used late
   the step points with the roofline's error against them, and ``transfer_link`` (two processes
   on the one device: recorded, never used as a P->D link);
 - the JSON ``splitserve plan --calibrate --json`` prints (its ``calibration`` object), or that
-  object alone: the accelerator and the NIXL link measured on that machine.
+  object alone: the accelerator and the NIXL link measured on that machine;
+- either with a ``step_model`` object (``benchmarks/calibrate_engine.py`` writes one): whole
+  engine steps of one model timed on a served engine and fitted in the adaptive budget's
+  linear form (``EngineStepModel``); the simulator then times that model's steps with it
+  instead of the roofline. Its ``points`` (the timings and the fit's error on each) and
+  ``notes`` are kept for the reader and not parsed.
 
 Invariant: a file that does not say what it measured with valid figures is refused with one
 line naming the file and the field; nothing is guessed.
@@ -21,12 +26,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitserve.planner.catalog import Accelerator, Link, PlannerInputError, explain_validation
+from splitserve.schedulers.step_model import FEATURE_NAMES
 
 FORMAT = "splitserve-calibration/1"
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class EngineStepModel(BaseModel):
+    """Step times measured on a served engine, in the adaptive budget's own linear form.
+
+    ``step_ms = intercept_ms + ms_per_1k_tokens * tokens / 1e3 + ms_per_100_sequences *
+    sequences / 1e2 + ms_per_1m_pairs * pairs / 1e6``: the features and coefficient names of
+    ``splitserve.schedulers.step_model`` (the model the budget policy fits online), fitted once
+    to whole-step timings of one model on one server (``benchmarks/calibrate_engine.py``). Where
+    the roofline times a layer's matrix products, this includes what a real step adds: the
+    engine's per-step work (scheduling, sampling, streaming), its attention kernels' own
+    efficiency, and, on a CPU, the server's thread and core settings. It belongs to the model
+    it was measured with: ``model`` names it, and the simulator refuses another.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="the model measured (catalog name)")
+    intercept_ms: float = Field(ge=0, description="fixed cost of one step")
+    ms_per_1k_tokens: float = Field(ge=0, description="cost of 1000 computed tokens")
+    ms_per_100_sequences: float = Field(ge=0, description="cost of 100 requests in a batch")
+    ms_per_1m_pairs: float = Field(ge=0, description="cost of 1e6 attention token pairs")
+
+    def coefficients(self) -> list[float]:
+        return [getattr(self, name) for name in FEATURE_NAMES]
+
+    def predict_ms(self, tokens: float, sequences: float, pairs: float) -> float:
+        b0, b1, b2, b3 = self.coefficients()
+        return b0 + b1 * tokens / 1e3 + b2 * sequences / 1e2 + b3 * pairs / 1e6
 
 
 @dataclass(frozen=True)
@@ -37,6 +72,7 @@ class LoadedCalibration:
     measured_on: str  # the catalog GPU or device name the figures come from
     link: Link | None  # a P->D link measured with it (``--calibrate`` files), else None
     data: dict[str, Any]
+    step_model: EngineStepModel | None = None  # whole-step timings of one served model
 
     def matches(self, gpu: str) -> bool:
         """Whether the figures were measured on catalog accelerator ``gpu`` (``H200`` matches
@@ -69,6 +105,13 @@ def load_calibration(path: Path) -> LoadedCalibration:
     try:
         acc = Accelerator(**data["accelerator"])
         link = Link(**data["link"]) if isinstance(data.get("link"), dict) else None
+        step_model = None
+        if data.get("step_model") is not None:
+            step_model = EngineStepModel.model_validate(
+                {k: v for k, v in data["step_model"].items() if k not in ("points", "notes")}
+                if isinstance(data["step_model"], dict)
+                else data["step_model"]
+            )
     except (TypeError, ValidationError) as e:
         detail = explain_validation(e) if isinstance(e, ValidationError) else str(e)
         raise PlannerInputError(f"{where}: {detail}") from None
@@ -85,4 +128,4 @@ def load_calibration(path: Path) -> LoadedCalibration:
         raise PlannerInputError(f"{where}: weight bytes unknown ({weight_bytes!r})")
     if not isinstance(measured_on, str) or not measured_on:
         raise PlannerInputError(f"{where}: it does not say which device it measured")
-    return LoadedCalibration(str(path), acc, int(weight_bytes), measured_on, link, data)
+    return LoadedCalibration(str(path), acc, int(weight_bytes), measured_on, link, data, step_model)

@@ -88,6 +88,30 @@ def test_calibration_file_replaces_the_gpu_it_names(tmp_path):
     assert row["per_class"][0]["ttft_ms"]["p50"] > 100  # CPU speed, not an H100's
 
 
+def test_a_calibration_step_model_times_its_model_and_refuses_another(tmp_path):
+    step_model = {"model": "splitserve-mid", "intercept_ms": 10, "ms_per_1k_tokens": 500,
+                  "ms_per_100_sequences": 20, "ms_per_1m_pairs": 100}
+    cal = {"calibration": {
+        "accelerator": {"name": "cpu (measured)", "bf16_flops": 1e10, "mem_bytes_per_s": 4e9,
+                        "mem_bytes": 24e9},
+        "layer": {"dtype": "float32"},
+        "step_model": step_model,
+    }}  # fmt: skip
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    args = ["--requests", "1", "--colocated", "1", "--gpu", "calibrated", "--calibration",
+            str(path), "--rate", "0.05", "--prompt-tokens", "1000", "--output-tokens", "2",
+            "--ttft-ms", "60000", "--itl-ms", "5000", "--json"]  # fmt: skip
+    out = run("--model", "splitserve-mid", *args, "--long-prefill-token-threshold", "256")
+    assert out.exit_code == 0, out.output
+    ttft = json.loads(out.output)["runs"][0]["per_class"][0]["ttft_ms"]["p50"]
+    # four chunks of the 1000-token prompt: 4 x (10 + 0.2) + 500 + 1000 x 1001 / 2 x 1e-4
+    assert ttft == pytest.approx(4 * 10.2 + 500 + 50.05)
+    other = run("--model", "splitserve-bench", *args)
+    assert other.exit_code != 0
+    assert "measured with splitserve-mid, not splitserve-bench" in other.output
+
+
 def test_plots_are_written(tmp_path):
     out = run(*TINY, "--fleet", "2C:H100", "--rate", "5,20", "--plot-dir", str(tmp_path))
     assert out.exit_code == 0, out.output

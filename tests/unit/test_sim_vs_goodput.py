@@ -47,8 +47,8 @@ REPORT = {
 def test_fleets_come_from_goodput_flags(svg) -> None:
     by_name = {c.name: c for c in svg.gp.CONTENDERS}
     assert svg.fleet_spec(by_name["colocated"], "H100")[:2] == ("2C:H100", svg.VLLM_CPU_BUDGET)
-    spec, budget, missing = svg.fleet_spec(by_name["colocated-lpt"], "H100")
-    assert (spec, budget) == ("2C:H100", svg.gp.BUDGET) and missing
+    spec, budget, lpt = svg.fleet_spec(by_name["colocated-lpt"], "H100")
+    assert (spec, budget, lpt) == ("2C:H100", svg.gp.BUDGET, 256)
     assert svg.fleet_spec(by_name["pd-decide"], "c")[0] == (
         "1P:c,1D:c/adaptive,per-request,first-token-from-prefill"
     )

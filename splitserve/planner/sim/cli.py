@@ -159,11 +159,25 @@ def _floats(option: str, text: str) -> list[float]:
 )
 @click.option("--step-overhead-ms", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option(
+    "--long-prefill-token-threshold",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="vLLM's cap on one prompt's tokens in a step (0: none).",
+)
+@click.option(
+    "--adaptive-target-ms",
+    type=_POSITIVE,
+    default=None,
+    help="The adaptive budget's ITL target (default: the tightest class's ITL bound).",
+)
+@click.option(
     "--calibration",
     "calibration_path",
     type=click.Path(dir_okay=False, exists=True),
     help="Step times from a calibration file (plan --calibrate --json, or gpu_proof): "
-    "it replaces the GPU it was measured on; name it 'calibrated' otherwise.",
+    "it replaces the GPU it was measured on; name it 'calibrated' otherwise. A file with a "
+    "step_model (benchmarks/calibrate_engine.py) times that model's steps by it.",
 )
 @click.option(
     "--price",
@@ -213,7 +227,7 @@ def _finite(value: Any) -> Any:
 def _run(**kw: Any) -> dict[str, Any]:
     model = get_model(kw["model_name"])
     workload = _workload(kw)
-    accelerators, calibrated_link = _accelerators(kw["calibration_path"])
+    accelerators, calibrated_link, step_models = _accelerators(kw["calibration_path"])
     if kw["link_gbps"] is not None:
         link = custom_link(kw["link_gbps"])
     elif calibrated_link is not None and _default(kw, "link_name"):
@@ -231,6 +245,7 @@ def _run(**kw: Any) -> dict[str, Any]:
     trace = read_trace(Path(kw["trace_path"]), workload) if kw["trace_path"] else None
     ctx = Context(model, workload, accelerators, link, kw["count"], kw["seed"], trace)
     ctx.min_duration_s = kw["min_duration_s"]
+    ctx.step_models = step_models
     rates = _floats("--rate", kw["rate"]) if kw["rate"] else None
     plot_dir = Path(kw["plot_dir"]) if kw["plot_dir"] else None
     if kw["do_search"]:
@@ -268,16 +283,18 @@ def _workload(kw: dict[str, Any]) -> Workload:
     return Workload.model_validate({**wl.model_dump(), **update}) if update else wl
 
 
-def _accelerators(path: str | None) -> tuple[dict[str, Accelerator], Any]:
+def _accelerators(path: str | None) -> tuple[dict[str, Accelerator], Any, dict[str, Any]]:
+    """The catalog with the calibration's machine as ``calibrated`` (and as the catalog GPU it
+    was measured on), its link, and its step model under the same names."""
     accelerators = dict(ACCELERATORS)
     if not path:
-        return accelerators, None
+        return accelerators, None, {}
     loaded = load_calibration(Path(path))
-    accelerators["calibrated"] = loaded.accelerator
-    for name in ACCELERATORS:
-        if loaded.matches(name):
-            accelerators[name] = loaded.accelerator
-    return accelerators, loaded.link
+    names = ["calibrated"] + [n for n in ACCELERATORS if loaded.matches(n)]
+    for name in names:
+        accelerators[name] = loaded.accelerator
+    step_models = {n: loaded.step_model for n in names} if loaded.step_model else {}
+    return accelerators, loaded.link, step_models
 
 
 def _base_fleet(kw: dict[str, Any]) -> Fleet:
@@ -308,6 +325,8 @@ def _base_fleet(kw: dict[str, Any]) -> Fleet:
             chunked_prefill=not kw["no_chunked_prefill"],
             efficiency=kw["efficiency"],
             step_overhead_ms=kw["step_overhead_ms"],
+            long_prefill_token_threshold=kw["long_prefill_token_threshold"],
+            adaptive_target_itl_ms=kw["adaptive_target_ms"],
             kv_dtype=kw["kv_dtype"].lower(),
             weight_bytes=WEIGHT_DTYPE_BYTES[kw["weight_dtype"].lower()],
         ),
@@ -382,7 +401,8 @@ def _search(
                 }
             )
             sub = Context(ctx.model, wl, ctx.accelerators, ctx.link, ctx.requests, ctx.seed,
-                          ctx.trace, min_duration_s=ctx.min_duration_s)  # fmt: skip
+                          ctx.trace, min_duration_s=ctx.min_duration_s,
+                          step_models=ctx.step_models)  # fmt: skip
             ans = cheapest(sub, base, rate, gpus, kw["target"])
             for c in ans.candidates:
                 series.setdefault(c.layout, []).append((s, c.cost_per_hour))

@@ -31,6 +31,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from splitserve.planner.catalog import Accelerator, Link, ModelShape, PlannerInputError
 from splitserve.planner.handoff import exposed_streaming_seconds, transfer_seconds
@@ -41,7 +42,7 @@ from splitserve.planner.sim.fleet import COLOCATED, DECODE, PREFILL, Fleet, Pool
 from splitserve.planner.sim.metrics import Recorder, RunResult, summarize_class
 from splitserve.planner.sim.request import Req
 from splitserve.planner.sim.server import Server
-from splitserve.planner.sim.steptime import StepTimer
+from splitserve.planner.sim.steptime import EngineStepModel, MeasuredStepTimer, StepTimer
 from splitserve.planner.sim.workload import Requests, Workload
 from splitserve.proxy.decide import DecisionSettings
 from splitserve.proxy.routing import Backend, Pool, PowerOfTwo
@@ -65,8 +66,10 @@ class Simulation:
         accelerators: Mapping[str, Accelerator],
         link: Link,
         seed: int = 0,
+        step_models: Mapping[str, EngineStepModel] | None = None,
     ) -> None:
         self.seed = seed
+        self.step_models = dict(step_models or {})
         self.model = model
         self.fleet = fleet
         self.workload = workload
@@ -104,15 +107,18 @@ class Simulation:
         if acc is None:
             raise PlannerInputError(f"no accelerator figures for pool GPU {spec.gpu!r}")
         st = self.fleet.server
-        timer = StepTimer(
-            self.model,
-            acc,
-            gpus=spec.gpus,
-            efficiency=st.efficiency,
-            kv_dtype=st.kv_dtype,
-            weight_bytes=st.weight_bytes,
-            overhead_s=st.step_overhead_ms / 1e3,
-        )
+        timer_args: dict[str, Any] = {
+            "gpus": spec.gpus,
+            "efficiency": st.efficiency,
+            "kv_dtype": st.kv_dtype,
+            "weight_bytes": st.weight_bytes,
+            "overhead_s": st.step_overhead_ms / 1e3,
+        }
+        measured = self.step_models.get(spec.gpu)
+        if measured is not None:
+            timer: StepTimer = MeasuredStepTimer(self.model, acc, measured, **timer_args)
+        else:
+            timer = StepTimer(self.model, acc, **timer_args)
         weights = weight_bytes_total(self.model, st.weight_bytes)
         kv_bytes = timer.mem_bytes * MEMORY_UTILISATION - weights
         kv_cap = int(kv_bytes // timer.kv_bytes_per_token)
@@ -125,7 +131,8 @@ class Simulation:
         for i in range(spec.count):
             policy = None
             if spec.budget == "adaptive" and spec.role != PREFILL:
-                settings = BudgetPolicySettings(target_itl_ms=itl_ms, alignment=BLOCK_SIZE)
+                target = st.adaptive_target_itl_ms or itl_ms
+                settings = BudgetPolicySettings(target_itl_ms=target, alignment=BLOCK_SIZE)
                 policy = BudgetPolicy.create(
                     settings,
                     engine_block_size=BLOCK_SIZE,
@@ -142,6 +149,7 @@ class Simulation:
                 policy,
                 self,
                 chunked=st.chunked_prefill,
+                long_prefill_tokens=st.long_prefill_token_threshold,
             )
             backend = Backend(pool=spec.role, url=f"sim://{spec.role}/{i}", settings=srv)
             srv.backend = backend

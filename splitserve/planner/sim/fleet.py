@@ -75,6 +75,12 @@ class ServerSettings(BaseModel):
     efficiency: float = Field(1.0, gt=0, le=1, description="share of peak FLOP/s and bandwidth")
     step_overhead_ms: float = Field(0.0, ge=0, description="fixed cost added to every step")
     prefix_cache_entries: int = Field(256, ge=0, description="shared heads a server keeps")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="vLLM's cap on one prompt's tokens in a step (0: none)"
+    )
+    adaptive_target_itl_ms: float | None = Field(
+        None, gt=0, description="the adaptive budget's target (None: the tightest class's ITL)"
+    )
     kv_dtype: str = "bf16"
     weight_bytes: int = Field(2, ge=1, le=4)
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.planner.calibration_file import EngineStepModel
 from splitserve.planner.catalog import Accelerator, Link, ModelShape
 from splitserve.planner.sim.engine import Simulation
 from splitserve.planner.sim.fleet import Fleet, PoolSpec
@@ -48,6 +49,7 @@ class Context:
     trace: Requests | None = None  # replayed (time-scaled) instead of drawing arrivals
     runs: int = 0
     min_duration_s: float = 30.0
+    step_models: Mapping[str, EngineStepModel] = field(default_factory=dict)
 
     def requests_at(self, rate: float) -> Requests:
         """The requests at ``rate``: a trace time-scaled to it, else a fresh draw of at least
@@ -63,8 +65,9 @@ class Context:
         self.runs += 1
         reqs = self.requests_at(rate)
         sim = Simulation(
-            self.model, fleet, self.workload, reqs, self.accelerators, self.link, seed=self.seed
-        )
+            self.model, fleet, self.workload, reqs, self.accelerators, self.link,
+            seed=self.seed, step_models=self.step_models,
+        )  # fmt: skip
         return sim.run()
 
 

@@ -11,10 +11,12 @@ the event queue). A server steps back to back while it has work; each step:
    most recently admitted running request is preempted (vLLM's FCFS rule): its KV is freed and
    it returns to the head of the queue to recompute its prompt and the tokens it produced;
 3. **prefill chunks**: running prompts first (admission order), then waiting requests (FCFS),
-   each taking ``min(budget left, tokens left, free KV)``; a waiting request is admitted only
+   each taking ``min(budget left, tokens left, free KV)`` (and at most vLLM's
+   ``long_prefill_token_threshold`` when the fleet sets one); a waiting request is admitted only
    while ``max_num_seqs`` allows and its chunk fits in free KV;
 4. the step's time is the roofline (or calibrated) time of what it computes
-   (``steptime.StepTimer``).
+   (``steptime.StepTimer``), or a step model measured on the served engine
+   (``steptime.MeasuredStepTimer``).
 
 Decodes are counted, not iterated: a decode's context and finishing step follow from the step
 it joined at, so a step costs O(1 + prompts in it + requests finishing) whatever the batch.
@@ -66,9 +68,12 @@ class Server:
         policy: BudgetPolicy | None,
         sim: Simulation,
         chunked: bool = True,
+        long_prefill_tokens: int = 0,
     ) -> None:
         self.sid = sid
         self.chunked = chunked
+        # vLLM's long_prefill_token_threshold: no prompt gets more of a step (0: no cap)
+        self.prompt_cap = long_prefill_tokens if long_prefill_tokens > 0 else 1 << 62
         self.role = role
         self.timer = timer
         self.kv_cap = kv_cap
@@ -225,10 +230,11 @@ class Server:
         chunks: list[tuple[Req, int]] = []
         fresh: list[Req] = []
         left = budget
+        prompt_cap = self.prompt_cap
         for r in self.prefilling:
             if left <= 0 or free <= 0:
                 break
-            take = min(left, r.target - r.computed, free)
+            take = min(left, r.target - r.computed, free, prompt_cap)
             c = r.computed
             chunks.append((r, take))
             tokens += take
@@ -271,7 +277,7 @@ class Server:
                     self.kv_used -= r.computed
                     r.computed = 0
                     break
-            take = min(left, r.target - r.computed, free)
+            take = min(left, r.target - r.computed, free, prompt_cap)
             waiting.popleft()
             self.admitted += 1
             r.admit = self.admitted
@@ -312,7 +318,7 @@ class Server:
             self._features = StepFeatures(tokens, n_dec + len(chunks), pairs)
         else:
             self._features = None
-        dt = self.timer.seconds(tokens, pairs, kv_read, sampled)
+        dt = self.timer.seconds(tokens, pairs, kv_read, sampled, n_dec + len(chunks))
         self.busy = True
         self.step_start = now
         sim = self.sim

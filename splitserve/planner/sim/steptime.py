@@ -17,11 +17,16 @@ It equals ``roofline.step_cost`` wherever ``step_cost`` can describe the batch
 (tests/unit/test_sim_steptime.py checks it); it also prices batches ``step_cost`` cannot (several
 prompts at different contexts beside decodes at different contexts). The accelerator is the
 catalog's (peak, scaled by ``efficiency``) or a calibration file's (achieved figures).
+
+:class:`MeasuredStepTimer` replaces the roofline by a step model measured on the served engine
+(a calibration file's ``step_model``): the budget policy's own linear form in tokens,
+sequences and attention pairs.
 """
 
 from __future__ import annotations
 
-from splitserve.planner.catalog import Accelerator, ModelShape
+from splitserve.planner.calibration_file import EngineStepModel
+from splitserve.planner.catalog import Accelerator, ModelShape, PlannerInputError
 from splitserve.planner.kv import kv_bytes_per_token_per_layer
 from splitserve.planner.roofline import BF16_BYTES, attention_flops, make_replica, mean_layer
 
@@ -95,9 +100,12 @@ class StepTimer:
             self._moe_cache[tokens] = cached
         return cached
 
-    def seconds(self, tokens: int, pairs: float, kv_read: float, sampled: int) -> float:
+    def seconds(
+        self, tokens: int, pairs: float, kv_read: float, sampled: int, sequences: int = -1
+    ) -> float:
         """One step computing ``tokens`` tokens with ``pairs`` attention pairs, reading
-        ``kv_read`` cached tokens' KV, sampling ``sampled`` tokens."""
+        ``kv_read`` cached tokens' KV, sampling ``sampled`` tokens, for ``sequences`` requests
+        (the roofline does not use it; a measured step model does)."""
         if tokens <= 0:
             return self.overhead_s
         flops = (
@@ -114,3 +122,36 @@ class StepTimer:
         t_c = flops / self._f
         t_m = nbytes / self._b
         return (t_c if t_c > t_m else t_m) + self.overhead_s
+
+
+class MeasuredStepTimer(StepTimer):
+    """A :class:`StepTimer` whose step times come from an :class:`EngineStepModel`.
+
+    Memory (KV capacity, bytes per token) is still the accelerator's and the model's; only
+    ``seconds`` changes. ``efficiency`` does not scale a measured step (it measured what the
+    engine achieves); ``overhead_s`` is still added, as a what-if on top of the measurement.
+    """
+
+    __slots__ = ("_coef",)
+
+    def __init__(self, model: ModelShape, acc: Accelerator, step_model: EngineStepModel,
+                 **kwargs: object) -> None:  # fmt: skip
+        if step_model.model.lower() != model.name.lower():
+            raise PlannerInputError(
+                f"the calibration's step model was measured with {step_model.model}, not "
+                f"{model.name}: measure this model (benchmarks/calibrate_engine.py) or drop "
+                "its step_model"
+            )
+        super().__init__(model, acc, **kwargs)  # type: ignore[arg-type]
+        b0, b1, b2, b3 = step_model.coefficients()
+        self._coef = (b0 / 1e3, b1 / 1e6, b2 / 1e5, b3 / 1e9)  # seconds per unit
+
+    def seconds(
+        self, tokens: int, pairs: float, kv_read: float, sampled: int, sequences: int = -1
+    ) -> float:
+        if tokens <= 0:
+            return self.overhead_s
+        if sequences < 0:
+            sequences = sampled
+        c0, c_tok, c_seq, c_pair = self._coef
+        return c0 + c_tok * tokens + c_seq * sequences + c_pair * pairs + self.overhead_s
