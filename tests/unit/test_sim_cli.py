@@ -89,8 +89,13 @@ def test_calibration_file_replaces_the_gpu_it_names(tmp_path):
 
 
 def test_a_calibration_step_model_times_its_model_and_refuses_another(tmp_path):
-    step_model = {"model": "splitserve-mid", "intercept_ms": 10, "ms_per_1k_tokens": 500,
-                  "ms_per_100_sequences": 20, "ms_per_1m_pairs": 100}
+    step_model = {
+        "model": "splitserve-mid",
+        "intercept_ms": 10,
+        "ms_per_1k_tokens": 500,
+        "ms_per_100_sequences": 20,
+        "ms_per_1m_pairs": 100,
+    }
     cal = {"calibration": {
         "accelerator": {"name": "cpu (measured)", "bf16_flops": 1e10, "mem_bytes_per_s": 4e9,
                         "mem_bytes": 24e9},

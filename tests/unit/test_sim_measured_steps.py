@@ -100,8 +100,11 @@ def test_the_adaptive_target_is_the_fleets_setting_or_the_tightest_class() -> No
 def test_a_calibration_file_carries_its_step_model(tmp_path: Path) -> None:
     acc = {"name": "calibrated", "bf16_flops": 1.4e11, "mem_bytes_per_s": 2.6e10,
            "mem_bytes": 2.4e10}  # fmt: skip
-    cal = {"accelerator": acc, "layer": {"dtype": "float32"},
-           "step_model": {**SM.model_dump(), "notes": ["n"], "points": [{"kind": "decode"}]}}
+    cal = {
+        "accelerator": acc,
+        "layer": {"dtype": "float32"},
+        "step_model": {**SM.model_dump(), "notes": ["n"], "points": [{"kind": "decode"}]},
+    }
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"calibration": cal}))
     assert load_calibration(path).step_model == SM
