@@ -144,3 +144,48 @@ def test_the_calibration_fit_recovers_a_known_step_model(calibrate_engine) -> No
     for got, want in zip(coef, SM.coefficients(), strict=True):
         assert got == pytest.approx(want, rel=0.1, abs=1.0)
     assert all(abs(r["error"]) < 0.05 for r in rows) and len(rows) == len(points)
+
+
+def test_p99_allowance_is_the_nearest_rank_rule() -> None:
+    """Checked against goodput.py's own percentile on gaps with k slow ones."""
+    from splitserve.planner.sim.metrics import p99_slow_allowed
+
+    def goodput_p99(values: list[float]) -> float:
+        s = sorted(values)
+        return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+
+    for n in (1, 2, 15, 63, 64, 100, 101, 150, 151, 255, 400):
+        allowed = p99_slow_allowed(n)
+        for slow in range(0, min(n, 6) + 1):
+            gaps = [0.01] * (n - slow) + [1.0] * slow
+            assert (goodput_p99(gaps) <= 0.1) == (slow <= allowed), (n, slow)
+
+
+def _chat_beside_a_document(metric: str, budget: int) -> float:
+    """A 101-token chat decoding (100 gaps, one may be slow under p99) when a 2000-token
+    document arrives: one stall with a 4096 budget, two with 1024."""
+    from splitserve.planner.sim.workload import RequestClass
+
+    wl = Workload(
+        classes=[
+            RequestClass(name="chat", share=1, prompt_min=32, prompt_max=32, output_min=101,
+                         output_max=101, ttft_ms=60_000, itl_ms=100),
+            RequestClass(name="doc", share=1, prompt_min=2000, prompt_max=2000, output_min=2,
+                         output_max=2, ttft_ms=60_000, itl_ms=100),
+        ],
+        itl_metric=metric,
+    )  # fmt: skip
+    reqs = Requests([0.0, 0.3], [32, 2000], [101, 2], [0, 1], [-1, -1], [0, 0])
+    settings = ServerSettings(max_num_batched_tokens=budget)
+    base = Fleet(pools=[{"role": "colocated", "count": 1}], server=settings)
+    sim = Simulation(MODEL, parse_fleet("1C:H100", base), wl, reqs, ACCELERATORS,
+                     get_link("NVLink4"), step_models={"H100": SM})  # fmt: skip
+    return sim.run().per_class[0]["attainment"]
+
+
+@pytest.mark.parametrize(
+    "metric,budget,chat_meets",
+    [("p99", 4096, 1.0), ("p99", 1024, 0.0), ("max", 4096, 0.0), ("mean", 4096, 1.0)],
+)
+def test_p99_metric_forgives_the_slow_gaps_the_percentile_does(metric, budget, chat_meets):
+    assert _chat_beside_a_document(metric, budget) == chat_meets

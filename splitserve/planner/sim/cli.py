@@ -88,9 +88,10 @@ def _floats(option: str, text: str) -> list[float]:
 )
 @click.option(
     "--itl-metric",
-    type=click.Choice(["mean", "max"]),
+    type=click.Choice(["mean", "max", "p99"]),
     default=None,
-    help="Per-request inter-token SLO on the mean gap (TPOT) or the largest gap.",
+    help="Per-request inter-token SLO on the mean gap (TPOT), the largest gap, or the 99th "
+    "percentile of the request's own gaps.",
 )
 @click.option("--rate", default=None, help="Requests per second (comma list to sweep).")
 @click.option("--requests", "count", type=click.IntRange(min=1), default=2000, show_default=True)

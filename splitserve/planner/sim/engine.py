@@ -310,7 +310,9 @@ class Simulation:
     def request_done(self, r: Req, now: float) -> None:
         self.in_system -= 1
         self.finished += 1
-        self.recorder.finished(r.cls, r.arrival, r.first_t, r.last_t, r.prompt, r.output, r.max_gap)
+        self.recorder.finished(
+            r.cls, r.arrival, r.first_t, r.last_t, r.prompt, r.output, r.max_gap, r.slow
+        )
 
     def _result(self, wall_s: float) -> RunResult:
         rec = self.recorder

@@ -78,12 +78,26 @@ class ClassRecord:
         return len(self.ttft) + self.rejected
 
 
+def p99_slow_allowed(gaps: int) -> int:
+    """How many of a request's ``gaps`` may exceed the bound while the 99th percentile of its
+    gaps stays within it: the percentile is the sorted gaps' element ``round(0.99 (n - 1))``
+    (nearest rank, as ``benchmarks/goodput.py`` takes it), so every gap above that rank may."""
+    if gaps <= 0:
+        return 0
+    return gaps - 1 - int(round(0.99 * (gaps - 1)))
+
+
 class Recorder:
     """Collects a run's per-request and per-step figures."""
 
     def __init__(self, classes: list[tuple[str, float, float]], itl_metric: str) -> None:
         self.classes = [ClassRecord(n, ttft, itl) for n, ttft, itl in classes]
         self.use_max_gap = itl_metric == "max"
+        self.use_p99 = itl_metric == "p99"
+        # p99: the distinct ITL bounds and each class's index among them (servers count the
+        # decode steps whose gap exceeds each bound)
+        self.itl_bounds = sorted({c.itl_s for c in self.classes})
+        self.bound_of_class = [self.itl_bounds.index(c.itl_s) for c in self.classes]
         self.gaps = GapHistogram()
         self.preemptions = 0
         self.local_prefills = 0  # per-request rule: prefilled on D
@@ -99,6 +113,7 @@ class Recorder:
         prompt: int,
         output: int,
         max_gap: float,
+        slow: int = 0,
     ) -> None:
         rec = self.classes[ci]
         ttft = first_t - arrival
@@ -109,8 +124,11 @@ class Recorder:
         rec.latency.append(last_t - arrival)
         rec.output_tokens += output
         rec.prompt_tokens += prompt
-        itl = max_gap if self.use_max_gap else tpot
-        if ttft <= rec.ttft_s and itl <= rec.itl_s:
+        if self.use_p99:
+            ok = slow <= p99_slow_allowed(output - 1)
+        else:
+            ok = (max_gap if self.use_max_gap else tpot) <= rec.itl_s
+        if ttft <= rec.ttft_s and ok:
             rec.attained += 1
 
     def rejected(self, ci: int) -> None:

@@ -15,7 +15,8 @@ Fields, by what they record:
   which preemption reads), ``ctx0`` and ``gen0`` (context and tokens generated when it joined
   the decodes at decode step ``step0``);
 - timing: ``first_t``, ``last_t`` (first and latest token), ``prefill_start``, ``max_gap``
-  (largest gap between two tokens) and ``gap_from`` (the decode step from which the server's
+  (largest gap between two tokens), ``slow`` (gaps over the class's bound, counted only for
+  the ``p99`` metric) and ``gap_from`` (the decode step from which the server's
   gap record still counts for it; -1 after a preemption, whose stall is the next gap);
 - the handoff: ``pserver`` and ``dserver``, ``ready`` (on D: its KV has arrived, it only
   decodes) and ``held`` (KV tokens P keeps until the handoff lands).
@@ -51,6 +52,7 @@ class Req:
         "gen0",
         "gap_from",
         "max_gap",
+        "slow",
         "pserver",
         "dserver",
         "ready",
@@ -79,6 +81,7 @@ class Req:
         self.gen0 = 0
         self.gap_from = 0
         self.max_gap = 0.0
+        self.slow = 0  # gaps over its class's ITL bound so far (itl_metric p99 only)
         self.pserver: Server | None = None
         self.dserver: Server | None = None
         self.ready = False  # on D: its KV has arrived, it only decodes

@@ -103,6 +103,11 @@ class Server:
         self.prefix_entries = prefix_entries
         self._gap_idx: list[int] = []
         self._gap_val: list[float] = []
+        # itl_metric p99: per ITL bound, slow[b][d] = decode steps before step d whose gap
+        # exceeded bound b (a request's count over its steps is a difference of two entries)
+        rec = sim.recorder
+        self._bounds: list[float] = rec.itl_bounds if rec.use_p99 else []
+        self._slow: list[list[int]] = [[0] for _ in self._bounds]
         # the step in flight
         self._chunks: list[tuple[Req, int]] = []
         self._fresh: list[Req] = []
@@ -172,6 +177,8 @@ class Server:
         if r in self.decoding:
             if 0 <= r.gap_from < self.dstep:
                 r.max_gap = max(r.max_gap, self._max_gap_since(r.gap_from))
+                if self._bounds:
+                    r.slow += self._slow_since(r, r.gap_from, self.dstep)
             r.last_t = now
             ctx = r.ctx0 + (self.dstep - r.step0)
             generated = r.gen0 + (self.dstep - r.step0)
@@ -403,6 +410,8 @@ class Server:
                 idx.pop()
             idx.append(d)
             val.append(gap)
+            for bound, cum in zip(self._bounds, self._slow, strict=True):
+                cum.append(cum[-1] + (gap > bound))
             fresh = self._fresh
             for r in fresh:  # first token on D
                 if r.first_t < 0:
@@ -411,6 +420,8 @@ class Server:
                     stall = now - r.last_t
                     if stall > r.max_gap:
                         r.max_gap = stall
+                    if self._bounds:
+                        r.slow += self._slow_gap(r, stall)
                 r.gap_from = d + 1
                 r.last_t = now
             emitted = n_dec - len(fresh)
@@ -437,6 +448,15 @@ class Server:
         if self.waiting or self.prefilling or self.n_dec:
             self.start_step(now)
 
+    def _slow_since(self, r: Req, first: int, end: int) -> int:
+        """Decode steps ``first`` to ``end - 1`` whose gap exceeded ``r``'s class bound."""
+        cum = self._slow[self.sim.recorder.bound_of_class[r.cls]]
+        return cum[end] - cum[first]
+
+    def _slow_gap(self, r: Req, gap: float) -> int:
+        rec = self.sim.recorder
+        return int(gap > self._bounds[rec.bound_of_class[r.cls]])
+
     def _max_gap_since(self, first: int) -> float:
         idx = self._gap_idx
         i = bisect_left(idx, first)
@@ -454,6 +474,8 @@ class Server:
             gap = now - r.last_t
             if gap > r.max_gap:
                 r.max_gap = gap
+            if self._bounds:
+                r.slow += self._slow_gap(r, gap)
         r.generated += 1
         r.last_t = now
         if r.generated >= r.output:
@@ -476,6 +498,8 @@ class Server:
             gap = self._max_gap_since(r.gap_from) if r.gap_from <= s else 0.0
             if gap > r.max_gap:
                 r.max_gap = gap
+            if self._bounds and r.gap_from <= s:
+                r.slow += self._slow_since(r, r.gap_from, s + 1)
         ctx = r.ctx0 + (s + 1 - r.step0)
         del self.decoding[r]
         self.n_dec -= 1
