@@ -359,9 +359,12 @@ def _with_tokenizer(settings: dict[str, Any], model: Path) -> dict[str, Any]:
     return settings
 
 
+WARM_PROMPTS = (64, 2000)  # tokens of the warm-up requests, one after the other, via the proxy
+
+
 async def _warm(url: str) -> None:
     async with aiohttp.ClientSession() as session:
-        for n in (64, 2000):
+        for n in WARM_PROMPTS:
             r = Result("warm", time.perf_counter())
             prompt = tuple(10 + i % 900 for i in range(n))  # ids within the vocabulary
             await _one(session, url, Arrival(0, "chat", prompt, 4), r)

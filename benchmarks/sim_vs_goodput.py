@@ -36,6 +36,9 @@ Contender -> fleet (derived from goodput.py's ``server_args`` and ``proxy_settin
   proxy's ``decide`` with its default threshold; the prompts share no prefix, so block size
   and prefix lookups do not matter).
 
+The SLO's gap figure is the simulator's ``itl_metric: p99``: each request's own 99th
+percentile gap by goodput.py's nearest-rank rule.
+
 Every server: fp32 KV and weights (the calibration's width), KV capacity 2 GiB
 (``VLLM_CPU_KVCACHE_SPACE`` in goodput.py's ``_start_group``; the simulator's
 ``mem x 0.9 - weights`` rule is fed a memory that leaves exactly that), layer-wise handoff.
@@ -48,10 +51,8 @@ Not modelled (where to look when a cell misses):
   per-step work included) with only its client beside it;
 - with the roofline, vLLM's per-step Python overhead (scheduler, sampling, detokenizing,
   streaming): ``--step-overhead-ms`` adds a fixed cost per step (default 0);
-- the proxy's own latency per request and per streamed token;
-- the SLO's gap figure: the benchmark takes each request's p99 inter-token gap, the simulator
-  its largest gap (``itl_metric: max``; the same for outputs up to 100 tokens, slightly
-  stricter above);
+- the proxy's own latency per request and per streamed token (its warm-up requests are not
+  simulated, but what they teach the per-request rule's queue estimate is: ``warm_decider``);
 - handoff: the planner's link formula (no NIXL notification or D's recompute of the last
   token), one link per P->D pair, and in the pull used on host memory D's core does the copy
   (D's steps are not slowed by it here); vLLM's CPU prefix cache (the prompts share nothing).
@@ -103,7 +104,7 @@ def bench_workload() -> Workload:
             cls("chat", 1 - gp.DOC_SHARE, gp.CHAT_PROMPT, gp.CHAT_OUTPUT, gp.SLO_TTFT_CHAT_S),
             cls("doc", gp.DOC_SHARE, gp.DOC_PROMPT, gp.DOC_OUTPUT, gp.SLO_TTFT_DOC_S),
         ],
-        itl_metric="max",
+        itl_metric="p99",  # each request's own p99 gap, nearest rank, as goodput.py's pct
     )
 
 
@@ -143,6 +144,15 @@ def fleet_spec(c: Any, gpu: str) -> tuple[str, int, int]:
     pools = f"1P:{gpu},1D:{gpu}" if pd else f"2C:{gpu}"
     lpt = _flag_value(flags, "--long-prefill-token-threshold") or 0
     return pools + ("/" + ",".join(extra) if extra else ""), budget, lpt
+
+
+def warm_decider(sim: Simulation) -> None:
+    """Show the simulated proxy goodput.py's warm-up prompts, as the measured proxy saw them
+    before the run: its queue estimate (the per-request rule's mean prompt sent to P) starts
+    from what they taught it (the 2,000-token one goes through P), not from nothing."""
+    if sim.decider is not None:
+        for tokens in gp.WARM_PROMPTS:
+            sim.decider.decide(tokens, 0, 0)
 
 
 def kv_limited(acc: Accelerator, model: Any, weight_bytes: int) -> Accelerator:
@@ -199,8 +209,10 @@ def compare(
         sim_att: dict[float, float] = {}
         for rate in sorted(measured[c.name]):
             reqs = bench_requests(rate, float(args["duration"]), int(args.get("seed", gp.SEED)))
-            res = Simulation(model, fleet, workload, reqs, accelerators, link,
-                             step_models=step_models).run()  # fmt: skip
+            sim = Simulation(model, fleet, workload, reqs, accelerators, link,
+                             step_models=step_models)  # fmt: skip
+            warm_decider(sim)
+            res = sim.run()
             m = measured[c.name][rate]
             sim_att[rate] = res.attainment
             apart = points_apart(m["attainment"], res.attainment)
