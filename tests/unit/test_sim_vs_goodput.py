@@ -84,3 +84,20 @@ def test_comparison_table_and_json(svg, tmp_path: Path) -> None:
     out = tmp_path / "cmp.json"
     assert svg.main(["--goodput", str(report), "--json", str(out)]) == 0
     assert len(json.loads(out.read_text())["rows"]) == 4
+
+
+def test_the_simulated_proxy_sees_the_warm_up_prompts(svg) -> None:
+    """goodput.py warms each proxy with WARM_PROMPTS; the long one goes through P and starts
+    the per-request rule's queue estimate, so the simulated proxy is shown them too."""
+    from splitserve.planner.sim.workload import Requests
+
+    model = svg.get_model("splitserve-tiny")
+    base = svg.Fleet(pools=[svg.PoolSpec(role="colocated", count=1, gpu="H100")])
+    fleet = svg.parse_fleet("1P:H100,1D:H100/per-request", base)
+    reqs = Requests([0.0], [100], [4], [0], [-1], [0])
+    sim = svg.Simulation(model, fleet, svg.bench_workload(), reqs, ACCELERATORS,
+                         get_link("NVLink4"))  # fmt: skip
+    assert sim.decider.queue.mean_tokens == 0.0
+    svg.warm_decider(sim)
+    long_ones = [n for n in svg.gp.WARM_PROMPTS if n > sim.decider.settings.threshold_tokens]
+    assert long_ones and sim.decider.queue.mean_tokens == long_ones[-1]

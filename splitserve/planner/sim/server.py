@@ -410,8 +410,9 @@ class Server:
                 idx.pop()
             idx.append(d)
             val.append(gap)
-            for bound, cum in zip(self._bounds, self._slow, strict=True):
-                cum.append(cum[-1] + (gap > bound))
+            if self._bounds:
+                for bound, cum in zip(self._bounds, self._slow, strict=True):
+                    cum.append(cum[-1] + (gap > bound))
             fresh = self._fresh
             for r in fresh:  # first token on D
                 if r.first_t < 0:
