@@ -33,7 +33,7 @@ Usage:
     .venv/bin/python benchmarks/goodput.py --dry-run          # the plan: SLO, workload, order
     .venv/bin/python benchmarks/goodput.py --quick --out runs/goodput-quick.json
     .venv/bin/python benchmarks/goodput.py --rates 0.25,0.5,1,1.5 --duration 60 --out ...
-    .venv/bin/python benchmarks/goodput.py --preset mid ...   # documents prefill in 1-4 s
+    .venv/bin/python benchmarks/goodput.py --preset mid ...   # documents prefill in 2-6 s
     .venv/bin/python benchmarks/goodput.py --from-json A.json B.json --out AB.json --plot AB.png
         # two sweeps of one workload at different rates as one report (nothing is run)
 

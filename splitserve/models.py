@@ -132,7 +132,8 @@ PRESETS: dict[str, ModelSpec] = {
         vocab_size=1024,
         max_position_embeddings=8192,
     ),
-    # Between: 1,500 / 4,000-token prefill ~0.95 / ~3.8 s on one core (vLLM CPU); 24 KiB KV/token.
+    # Between: a 1,024 / 2,048 / 4,000-token prefill takes ~1.1 / ~2.5 / ~6.1 s served on one
+    # core (vLLM CPU, benchmarks/calibrate_engine.py, 2026-12-06); 24 KiB KV/token.
     "mid": ModelSpec(
         num_layers=8,
         hidden_size=768,
