@@ -129,7 +129,9 @@ class MeasuredStepTimer(StepTimer):
 
     Memory (KV capacity, bytes per token) is still the accelerator's and the model's; only
     ``seconds`` changes. ``efficiency`` does not scale a measured step (it measured what the
-    engine achieves); ``overhead_s`` is still added, as a what-if on top of the measurement.
+    engine achieves), nor do the pool's GPUs per server (it measured one server as it was
+    configured: give the pool that server's GPU count); ``overhead_s`` is still added, as a
+    what-if on top of the measurement.
     """
 
     __slots__ = ("_coef",)
