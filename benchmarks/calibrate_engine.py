@@ -63,7 +63,6 @@ DECODE_STREAMS = (1, 2, 4, 8, 16, 32)
 MIXED = ((2, 256), (2, 1024), (4, 512), (4, 2048), (8, 1024), (8, 4000), (16, 256), (16, 2048))
 DECODE_PROMPT = 64  # tokens of each decoding stream's prompt
 REPEATS = 2
-SERVED_GROUP = "colocated-lpt"  # goodput's server flags with budget 4096, minus the lpt cap
 CORE = 0
 
 
@@ -215,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="calibrate-engine-"))
     model = build_model(spec, work / "model")
     cal = layer_calibration(args.preset)
-    flags = [f for f in gp.server_args(SERVED_GROUP, "s0")]
-    i = flags.index("--long-prefill-token-threshold")
-    del flags[i : i + 2]
+    flags = gp.budget_args()  # goodput's budget-4096 servers, no lpt cap, default scheduler
     with ServerGroup(work / "logs") as servers:
         srv = servers.add_vllm("calibrate", str(model), served_model_name="bench",
                                extra_args=flags, cpu_core=CORE, cpus=[CORE],
@@ -225,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         servers.wait(900.0)
         os.sched_setaffinity(0, {c for c in os.sched_getaffinity(0) if c != CORE} or {CORE})
         points = asyncio.run(measure(srv.url, spec.vocab_size, args.seed))
+    missing = {"prefill", "decode", "mixed"} - {p.kind for p in points}
+    if missing:
+        raise SystemExit(f"no usable {', '.join(sorted(missing))} steps: nothing to fit")
     coef, rows = fit(points)
     errors = sorted(abs(r["error"]) for r in rows)
     fitted = dict(zip(FEATURE_NAMES, coef, strict=True))

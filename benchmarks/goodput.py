@@ -230,13 +230,18 @@ def _adaptive_args(metrics_port: int | None = None) -> list[str]:
     return ["--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
 
 
+def budget_args() -> list[str]:
+    """The engine flags every server but (a)'s starts from: context length and budget."""
+    return ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(BUDGET)]
+
+
 def server_args(group: str, role: str, metrics_port: int | None = None) -> list[str]:
     """Engine flags of one server of ``group`` (role: ``s0``/``s1`` colocated, ``p``/``d``);
     ``metrics_port``: where an adaptive scheduler serves its own metrics (its step model's
     prediction error on D's mixed steps is read there)."""
     if group == "colocated":  # vLLM's own default budget
         return ["--max-model-len", str(MAX_MODEL_LEN)]
-    base = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(BUDGET)]
+    base = budget_args()
     if group == "colocated-lpt":
         return [*base, "--long-prefill-token-threshold", "256"]
     if group == "colocated-adaptive" or (group == "pd" and role == "d"):

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitserve.planner.catalog import Accelerator, Link, PlannerInputError, explain_validation
-from splitserve.schedulers.step_model import FEATURE_NAMES
+from splitserve.schedulers.step_model import FEATURE_NAMES, StepFeatures
 
 FORMAT = "splitserve-calibration/1"
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -59,9 +59,15 @@ class EngineStepModel(BaseModel):
     def coefficients(self) -> list[float]:
         return [getattr(self, name) for name in FEATURE_NAMES]
 
-    def predict_ms(self, tokens: float, sequences: float, pairs: float) -> float:
-        b0, b1, b2, b3 = self.coefficients()
-        return b0 + b1 * tokens / 1e3 + b2 * sequences / 1e2 + b3 * pairs / 1e6
+    def predict_ms(self, tokens: int, sequences: int, pairs: int) -> float:
+        x = StepFeatures(tokens, sequences, pairs).vector()
+        return sum(c * v for c, v in zip(self.coefficients(), x, strict=True))
+
+    def seconds_per_unit(self) -> tuple[float, ...]:
+        """Seconds per step, per token, per sequence and per attention pair (the features'
+        own scaling, for callers that evaluate the model without building features)."""
+        units = StepFeatures(1, 1, 1).vector()
+        return tuple(c * u / 1e3 for c, u in zip(self.coefficients(), units, strict=True))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from splitserve.planner.calibration_file import load_calibration
+from splitserve.planner.calibration_file import EngineStepModel, load_calibration
 from splitserve.planner.catalog import (
     ACCELERATORS,
     LINKS,
@@ -284,7 +284,9 @@ def _workload(kw: dict[str, Any]) -> Workload:
     return Workload.model_validate({**wl.model_dump(), **update}) if update else wl
 
 
-def _accelerators(path: str | None) -> tuple[dict[str, Accelerator], Any, dict[str, Any]]:
+def _accelerators(
+    path: str | None,
+) -> tuple[dict[str, Accelerator], Any, dict[str, EngineStepModel]]:
     """The catalog with the calibration's machine as ``calibrated`` (and as the catalog GPU it
     was measured on), its link, and its step model under the same names."""
     accelerators = dict(ACCELERATORS)

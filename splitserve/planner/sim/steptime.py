@@ -145,8 +145,7 @@ class MeasuredStepTimer(StepTimer):
                 "its step_model"
             )
         super().__init__(model, acc, **kwargs)  # type: ignore[arg-type]
-        b0, b1, b2, b3 = step_model.coefficients()
-        self._coef = (b0 / 1e3, b1 / 1e6, b2 / 1e5, b3 / 1e9)  # seconds per unit
+        self._coef = step_model.seconds_per_unit()
 
     def seconds(
         self, tokens: int, pairs: float, kv_read: float, sampled: int, sequences: int = -1
