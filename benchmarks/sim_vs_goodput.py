@@ -39,7 +39,8 @@ Contender -> fleet (derived from goodput.py's ``server_args`` and ``proxy_settin
 The SLO's gap figure is the simulator's ``itl_metric: p99``: each request's own 99th
 percentile gap by goodput.py's nearest-rank rule.
 
-Every server: fp32 KV and weights (the calibration's width), KV capacity 2 GiB
+Every server: vLLM's CPU KV block (128 tokens: the adaptive budget's alignment, as on the
+servers), fp32 KV and weights (the calibration's width), KV capacity 2 GiB
 (``VLLM_CPU_KVCACHE_SPACE`` in goodput.py's ``_start_group``; the simulator's
 ``mem x 0.9 - weights`` rule is fed a memory that leaves exactly that), layer-wise handoff.
 
@@ -87,6 +88,7 @@ import goodput as gp  # noqa: E402  (benchmarks/goodput.py: workload, SLO, conte
 ATTAINMENT_POINTS = 10.0  # the issue's targets
 CAPACITY_SHARE = 0.15
 VLLM_CPU_BUDGET, VLLM_CPU_SEQS = 2048, 128  # vllm arg_utils: CPU, OPENAI_API_SERVER defaults
+VLLM_CPU_BLOCK = 128  # vLLM's CPU KV block: the adaptive budget's alignment and floor
 KV_SPACE_BYTES = 2 * 2**30  # VLLM_CPU_KVCACHE_SPACE=2 in goodput.py's _start_group
 CLASSES = ("chat", "doc")
 
@@ -184,6 +186,7 @@ def compare(
     """Simulate every contender of a goodput ``report`` at its measured rates; the result's
     ``rows`` and ``capacity`` compare them (see ``markdown``)."""
     args = report["args"]
+    gp.scale_slo(float(args.get("slo_scale", 1.0)))  # the bounds the sweep was judged by
     model = get_model(f"splitserve-{args.get('preset') or 'tiny'}")
     accelerators = {gpu: kv_limited(accelerator, model, weight_bytes)}
     step_models = {gpu: step_model} if step_model is not None else {}
@@ -195,6 +198,7 @@ def compare(
     base = Fleet(
         pools=[PoolSpec(role="colocated", count=1, gpu=gpu)],
         server=ServerSettings(max_num_seqs=VLLM_CPU_SEQS, kv_dtype="fp32",
+                              block_size=VLLM_CPU_BLOCK,
                               weight_bytes=weight_bytes, step_overhead_ms=step_overhead_ms,
                               adaptive_target_itl_ms=gp.ADAPTIVE_TARGET_MS),
         link=LinkSpec(name=link.name),

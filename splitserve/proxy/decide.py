@@ -17,7 +17,10 @@ disaggregating does not pay, checked in this order:
 3. ``prefill_busy``: the prefill work queued on P (its in-flight requests times the mean
    uncached size of what was sent to P) would delay the request at least as long as D's own
    prefill of its uncached tokens costs (``decode_prefill_cost_ratio``: D's cost per token
-   over P's).
+   over P's), for prompts of at most ``busy_max_tokens`` uncached tokens (default four times
+   ``threshold_tokens``): D prefills the prompts it is given in order, so a long prompt taken
+   from a busy P would hold every short prompt that reaches D after it, whose low TTFT on D is
+   the reason they go there.
 
 Otherwise ``long``: disaggregate. The decision only chooses the server; the tokens are the
 same either way (a D serves a request sent straight to it exactly as a colocated server).
@@ -39,6 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Route = Literal["decode", "disaggregate"]
 REASONS = ("prefix_on_decode", "short", "prefill_busy", "long")
+# prefill_busy takes prompts up to this many thresholds (DecisionSettings.busy_max_tokens).
+BUSY_MAX_THRESHOLDS = 4
 
 
 class DecisionSettings(BaseModel):
@@ -74,10 +79,21 @@ class DecisionSettings(BaseModel):
     decode_prefill_cost_ratio: float = Field(
         1.0, gt=0.0, description="D's prefill cost per token over P's (1: same hardware)."
     )
+    busy_max_tokens: int | None = Field(
+        None, ge=0, description="Largest uncached prompt the prefill_busy rule may send to D "
+        "(unset: four times threshold_tokens): D prefills in order, and a long prompt there "
+        "holds the short ones behind it.",
+    )  # fmt: skip
     thread_chars: int = Field(
         4096, ge=0, description="Prompts longer than this many characters are tokenized on a "
         "thread, off the event loop.",
     )  # fmt: skip
+
+    def busy_limit(self) -> int:
+        """``busy_max_tokens``, or its default: four times ``threshold_tokens``."""
+        if self.busy_max_tokens is not None:
+            return self.busy_max_tokens
+        return BUSY_MAX_THRESHOLDS * self.threshold_tokens
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,7 @@ def decide(settings: DecisionSettings, x: DecisionInputs) -> Decision:
         return Decision("decode", "short", uncached)
     if (
         settings.use_prefill_queue
+        and uncached <= settings.busy_limit()
         and x.prefill_queue_tokens >= uncached * settings.decode_prefill_cost_ratio
     ):
         return Decision("decode", "prefill_busy", uncached)

@@ -10,19 +10,24 @@ aligned candidates, each a 4-term dot product).
 How it decides (see docs/scheduler.md):
 
 - nothing decoding: the maximum chunk (there is no inter-token latency to protect);
-- otherwise: the largest multiple of ``alignment`` in ``[min_chunk, max_chunk]`` whose predicted
+- otherwise: the largest multiple of ``alignment`` in ``[floor, max_chunk]`` whose predicted
   step time, enlarged by ``safety_sigmas`` robust relative residual scales, stays under
-  ``target_itl_ms``; the
-  minimum chunk when even that one does not fit (prefill must always progress);
+  ``target_itl_ms``; the floor when even that one does not fit (prefill must always progress);
+- the floor is ``min_chunk`` when it is set; by default, the largest aligned chunk up to
+  ``DEFAULT_MIN_CHUNK_TOKENS`` whose step *alone* (no decodes) fits the target, at least one
+  ``alignment`` unit: where a block is large and tokens are dear (a CPU's 128-token block, a
+  256-token chunk costing more than the target) a fixed floor would break the target in every
+  step that carries a prefill;
 - increases are smoothed (``increase_smoothing``), decreases apply at once.
 
-Invariants: ``min_chunk <= budget <= max_chunk``; with decodes running the budget is a multiple of
-``alignment``; for the same model state a heavier decode load never gets a larger budget.
+Invariants: ``alignment <= budget <= max_chunk`` (and ``budget >= min_chunk`` when that was set);
+with decodes running the budget is a multiple of ``alignment``; for the same model state a heavier
+decode load never gets a larger budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +57,9 @@ class BudgetPolicySettings(BaseModel):
 
     ``None`` for ``alignment``, ``min_chunk`` or ``max_chunk`` means "from the engine": its KV
     block size, the smallest multiple of it that is at least ``DEFAULT_MIN_CHUNK_TOKENS`` (but not
-    above ``max_chunk``), and its start-up ``max_num_batched_tokens``.
+    above ``max_chunk``), and its start-up ``max_num_batched_tokens``. A ``min_chunk`` left to
+    the default is a ceiling on the floor, not the floor: each step lowers it to what fits the
+    target in a step of its own (module docstring).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,7 +67,10 @@ class BudgetPolicySettings(BaseModel):
     target_itl_ms: float = Field(
         50.0, gt=0, description="inter-token latency target: the predicted step time limit"
     )
-    min_chunk: int | None = Field(None, ge=1, description="smallest prefill budget (tokens)")
+    min_chunk: int | None = Field(
+        None, ge=1, description="smallest prefill budget (tokens); unset: the largest chunk up "
+        "to 256 whose step alone fits the target",
+    )  # fmt: skip
     max_chunk: int | None = Field(None, ge=1, description="largest prefill budget (tokens)")
     alignment: int | None = Field(None, ge=1, description="budgets are multiples of this")
     safety_sigmas: float = Field(
@@ -128,7 +138,12 @@ class BudgetPolicySettings(BaseModel):
                 f"min_chunk ({min_chunk}) must not exceed max_chunk ({max_chunk}); "
                 f"alignment is {alignment}"
             )
-        return ResolvedBounds(alignment=alignment, min_chunk=min_chunk, max_chunk=max_chunk)
+        return ResolvedBounds(
+            alignment=alignment,
+            min_chunk=min_chunk,
+            max_chunk=max_chunk,
+            floor_from_target=self.min_chunk is None,
+        )
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,9 @@ class ResolvedBounds:
     alignment: int
     min_chunk: int
     max_chunk: int
+    # min_chunk was left to the default: it caps the floor, which each step lowers to the
+    # largest aligned chunk whose step alone fits the target (at least one alignment unit).
+    floor_from_target: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,12 +217,11 @@ class BudgetPolicy:
             return BudgetDecision(budget, self.predict_s(state, budget), "no_decodes")
 
         align = self.bounds.alignment
-        lo = self.bounds.min_chunk // align
-        hi = self.bounds.max_chunk // align
         # The margin is relative, like the noise: predicted * (1 + k * scale) <= target.
         limit_s = (self.settings.target_itl_ms / 1e3) / (
             1.0 + self.settings.safety_sigmas * self.model.relative_scale
         )
+        floor = self._floor_units(state, limit_s)
         decode_tokens = state.num_decodes
         decode_pairs = sum(c + 1 for c in state.decode_context_lens)
 
@@ -212,19 +229,12 @@ class BudgetPolicy:
             features = plan_features(state, units * align, decode_tokens, decode_pairs)
             return self.model.predict_s(features) <= limit_s
 
-        if not fits(lo):
-            raw, reason = lo * align, "min_chunk"
+        if not fits(floor):
+            raw, reason = floor * align, "min_chunk"
         else:
-            # Predictions never decrease with the budget (non-negative coefficients): bisect.
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            raw, reason = lo * align, "fits"
+            raw, reason = _largest(fits, floor, self.bounds.max_chunk // align) * align, "fits"
 
-        budget = self._smooth(raw)
+        budget = self._smooth(raw, floor * align)
         predicted = self.model.predict_s(plan_features(state, budget, decode_tokens, decode_pairs))
         return BudgetDecision(budget, predicted, reason)
 
@@ -238,7 +248,22 @@ class BudgetPolicy:
         """Learn from a step that ran (what it computed and how long it took)."""
         return self.model.observe(executed, measured_s)
 
-    def _smooth(self, raw: int) -> int:
+    def _floor_units(self, state: StepState, limit_s: float) -> int:
+        """The smallest budget of this step, in alignment units: ``min_chunk`` when it was
+        set; else the largest chunk up to it whose step alone (no decodes) is predicted within
+        ``limit_s``, at least one unit. It does not depend on the decodes, so a heavier decode
+        load still never gets a larger budget."""
+        top = self.bounds.min_chunk // self.bounds.alignment
+        if not self.bounds.floor_from_target:
+            return top
+        align = self.bounds.alignment
+
+        def alone_fits(units: int) -> bool:
+            return self.model.predict_s(plan_features(state, units * align, 0, 0)) <= limit_s
+
+        return _largest(alone_fits, 1, top) if alone_fits(1) else 1
+
+    def _smooth(self, raw: int, floor: int) -> int:
         previous = self._previous_budget
         if previous is None or raw <= previous:
             budget = raw
@@ -247,9 +272,22 @@ class BudgetPolicy:
             step = (raw - previous) * (1.0 - self.settings.increase_smoothing)
             # At least one alignment unit up, at most to the raw answer, always aligned.
             budget = min(raw, previous - previous % align + max(align, int(step) // align * align))
-            budget = max(budget, self.bounds.min_chunk)
+            budget = max(budget, floor)
         self._previous_budget = budget
         return budget
+
+
+def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest ``u`` in ``[lo, hi]`` with ``fits(u)``, given ``fits(lo)`` and that ``fits``
+    only turns false as ``u`` grows (predictions never decrease with the budget: the step
+    model's coefficients are non-negative): a bisection."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def plan_features(

@@ -140,6 +140,39 @@ def test_minimum_chunk_when_nothing_fits() -> None:
     assert (decision.prefill_budget, decision.reason) == (256, "min_chunk")
 
 
+def cpu_like_policy(**overrides) -> BudgetPolicy:
+    """A policy that already knows a CPU-like machine: 19 ms a step plus 0.9 ms a token (a
+    128-token block; 256 tokens alone cost 250 ms)."""
+    prior = StepModelPrior(
+        intercept_ms=19.0, ms_per_1k_tokens=900.0, ms_per_100_sequences=1e-6, ms_per_1m_pairs=1e-6
+    )
+    settings = {"target_itl_ms": 150.0, "safety_sigmas": 0.0, "step_model": {"prior": prior}}
+    return make_policy(**{**settings, **overrides})
+
+
+def test_default_floor_is_what_fits_the_target_alone() -> None:
+    """min_chunk left to its default: a step beside decodes carries one 128-token block (about
+    134 ms) rather than the 256-token default floor (about 250 ms, over the 150 ms target)."""
+    policy = cpu_like_policy()
+    assert policy.bounds.floor_from_target and policy.bounds.min_chunk == 256
+    decision = policy.decide(StepState([300] * 4, [PendingPrefill(3000)]))
+    assert (decision.prefill_budget, decision.reason) == (128, "fits")
+    assert decision.predicted_step_s * 1e3 <= 150.0
+    # A target that not even one block meets alone: one block, the least harm (and progress).
+    tight = cpu_like_policy(target_itl_ms=50.0).decide(StepState([300], [PendingPrefill(3000)]))
+    assert (tight.prefill_budget, tight.reason) == (128, "min_chunk")
+    # Where tokens are cheap the floor stays at the default 256.
+    cheap = cpu_like_policy(target_itl_ms=1000.0)
+    assert cheap._floor_units(StepState([300], [PendingPrefill(3000)]), 1.0) == 2
+
+
+def test_a_min_chunk_that_was_set_is_kept() -> None:
+    policy = cpu_like_policy(min_chunk=256)
+    assert not policy.bounds.floor_from_target
+    decision = policy.decide(StepState([300] * 4, [PendingPrefill(3000)]))
+    assert (decision.prefill_budget, decision.reason) == (256, "min_chunk")
+
+
 def test_budgets_respect_bounds_and_alignment() -> None:
     rng = random.Random(1)
     for target in (5.0, 40.0, 400.0):

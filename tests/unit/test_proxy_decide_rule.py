@@ -60,6 +60,21 @@ def test_rule_order_and_reasons() -> None:
     assert decide(off, DecisionInputs(300, 0, 10_000)).reason == "long"
 
 
+def test_prefill_busy_takes_no_prompt_over_its_limit() -> None:
+    """D prefills in order: a long prompt taken from a busy P would hold D's short ones, so the
+    queue rule stops at busy_max_tokens (default four thresholds)."""
+    s = DecisionSettings(threshold_tokens=100)
+    assert s.busy_limit() == 400
+    assert decide(s, DecisionInputs(400, 0, 10_000)).reason == "prefill_busy"
+    assert decide(s, DecisionInputs(401, 0, 10_000)).reason == "long"
+    # counted in uncached tokens: a long prompt whose head D holds may still be taken
+    assert decide(s, DecisionInputs(1000, 640, 10_000)).reason == "prefill_busy"
+    wide = DecisionSettings(threshold_tokens=100, busy_max_tokens=5000)
+    assert decide(wide, DecisionInputs(4000, 0, 10_000)).reason == "prefill_busy"
+    none = DecisionSettings(threshold_tokens=100, busy_max_tokens=0)
+    assert decide(none, DecisionInputs(300, 0, 10_000)).reason == "long"
+
+
 def test_threshold_arithmetic() -> None:
     # 5 ms of handoff at 0.02 ms per token: 250 tokens break even; a 1000-token chunk fits a step
     assert local_prefill_threshold(5e-3, 2e-5, 1000) == 1000
@@ -135,7 +150,9 @@ def _metric(reg: CollectorRegistry, name: str, **labels: str) -> float:
 
 def test_decider_routes_records_and_reports(tokenizer_dir: Path) -> None:
     reg = CollectorRegistry()
-    settings = DecisionSettings(tokenizer=str(tokenizer_dir), threshold_tokens=64, block_tokens=16)
+    settings = DecisionSettings(
+        tokenizer=str(tokenizer_dir), threshold_tokens=64, block_tokens=16, busy_max_tokens=4096
+    )
     dec = Decider(settings, reg)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
 

@@ -51,7 +51,6 @@ from splitserve.schedulers.policy import BudgetPolicy, BudgetPolicySettings
 logger = logging.getLogger(__name__)
 
 _STEP, _ARRIVE, _HANDOFF = 0, 1, 2
-BLOCK_SIZE = 16  # vLLM's GPU KV block: the adaptive budget's alignment
 
 
 class Simulation:
@@ -132,10 +131,10 @@ class Simulation:
             policy = None
             if spec.budget == "adaptive" and spec.role != PREFILL:
                 target = st.adaptive_target_itl_ms or itl_ms
-                settings = BudgetPolicySettings(target_itl_ms=target, alignment=BLOCK_SIZE)
+                settings = BudgetPolicySettings(target_itl_ms=target, alignment=st.block_size)
                 policy = BudgetPolicy.create(
                     settings,
-                    engine_block_size=BLOCK_SIZE,
+                    engine_block_size=st.block_size,
                     engine_max_tokens=st.max_num_batched_tokens,
                 )
             srv = Server(
@@ -171,9 +170,11 @@ class Simulation:
         """The proxy's rule with the fleet's settings; D's prefill cost relative to P's from
         the pools' own step times when the hardware differs and the settings do not say."""
         routing = self.fleet.routing
-        update: dict[str, object] = {"block_tokens": BLOCK_SIZE}
+        update: dict[str, object] = {"block_tokens": self.fleet.server.block_size}
         if routing.decide_threshold_tokens is not None:
             update["threshold_tokens"] = routing.decide_threshold_tokens
+        if routing.decide_busy_max_tokens is not None:
+            update["busy_max_tokens"] = routing.decide_busy_max_tokens
         if routing.decode_prefill_cost_ratio is not None:
             update["decode_prefill_cost_ratio"] = routing.decode_prefill_cost_ratio
         else:

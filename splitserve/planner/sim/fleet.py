@@ -81,6 +81,10 @@ class ServerSettings(BaseModel):
     adaptive_target_itl_ms: float | None = Field(
         None, gt=0, description="the adaptive budget's target (None: the tightest class's ITL)"
     )
+    block_size: int = Field(
+        16, ge=1, description="the engine's KV block (vLLM: 16 on GPU, 128 on CPU): the "
+        "adaptive budget's alignment and the per-request rule's prefix granularity",
+    )  # fmt: skip
     kv_dtype: str = "bf16"
     weight_bytes: int = Field(2, ge=1, le=4)
 
@@ -106,6 +110,9 @@ class RoutingSpec(BaseModel):
     )
     decode_prefill_cost_ratio: float | None = Field(
         None, gt=0, description="decide's D/P prefill cost per token (None: from the pools)"
+    )
+    decide_busy_max_tokens: int | None = Field(
+        None, ge=0, description="decide.busy_max_tokens (None: the proxy's default)"
     )
     first_token_from_prefill: bool = False
 
