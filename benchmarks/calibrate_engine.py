@@ -245,8 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['kind']} | {r['tokens']} | {r['sequences']} | {r['attention_pairs']} "
               f"| {r['measured_ms']:.1f} | {r['fitted_ms']:.1f} | {r['error']:+.1%} |")  # fmt: skip
+    scale = slo_scale(coef) if args.preset == "mid" else None
+    if scale is not None:
+        tokens, seconds = gp.SLO_REFERENCE_PREFILL
+        print(f"goodput.py's SLO was set where {tokens} tokens prefilled in {seconds:g} s; "
+              f"here {scale * seconds:.2f} s: --slo-scale {scale:.2g}")  # fmt: skip
     print(f"wrote {args.out}")
     return 0
+
+
+def slo_scale(coef: list[float]) -> float:
+    """This machine's time for goodput.py's reference prefill (one prompt alone, by the fitted
+    step model) over the time where its SLO was set: the ``--slo-scale`` to run it with."""
+    tokens, seconds = gp.SLO_REFERENCE_PREFILL
+    alone = StepFeatures(tokens, 1, chunk_attention_pairs(0, tokens))
+    predicted_ms = sum(c * v for c, v in zip(coef, alone.vector(), strict=True))
+    return predicted_ms / 1e3 / seconds
 
 
 if __name__ == "__main__":

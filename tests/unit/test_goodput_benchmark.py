@@ -76,6 +76,24 @@ def test_contender_settings_are_valid_proxy_configs(goodput) -> None:
     assert goodput.SCHEDULER_CLS not in goodput.server_args("pd", "p")  # P never decodes
 
 
+def test_slo_scale_multiplies_every_bound_and_the_target(goodput) -> None:
+    base = (goodput.SLO_TTFT_CHAT_S, goodput.SLO_TTFT_DOC_S, goodput.SLO_GAP_P99_S)
+    target = goodput.ADAPTIVE_TARGET_MS
+    try:
+        goodput.scale_slo(1.6)
+        scaled = (goodput.SLO_TTFT_CHAT_S, goodput.SLO_TTFT_DOC_S, goodput.SLO_GAP_P99_S)
+        assert scaled == pytest.approx(tuple(1.6 * b for b in base))
+        assert pytest.approx(1.6 * target) == goodput.ADAPTIVE_TARGET_MS
+        assert "scaled 1.6x" in goodput.slo_text()
+        assert '"target_itl_ms": 240' in " ".join(goodput.server_args("colocated-adaptive", "s0"))
+        with pytest.raises(ValueError, match="positive"):
+            goodput.scale_slo(0)
+    finally:
+        goodput.scale_slo(1.0)
+    assert (base[0], base[2]) == (goodput.SLO_TTFT_CHAT_S, goodput.SLO_GAP_P99_S)
+    assert "scaled" not in goodput.slo_text()
+
+
 def test_quick_dry_run_prints_the_plan() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--dry-run"],

@@ -97,6 +97,21 @@ def test_the_adaptive_target_is_the_fleets_setting_or_the_tightest_class() -> No
     assert target(ServerSettings(adaptive_target_itl_ms=60)) == 60
 
 
+def test_the_adaptive_budget_aligns_to_the_servers_block() -> None:
+    """vLLM's CPU block is 128 tokens: the simulated policy aligns to it as the served one does
+    (and the per-request rule counts whole blocks of it)."""
+    wl = Workload.single(512, 16, 2000, 100)
+    for block in (16, 128):
+        base = Fleet(pools=[{"role": "colocated", "count": 1}],
+                     server=ServerSettings(block_size=block))  # fmt: skip
+        sim = Simulation(MODEL, parse_fleet("1C:H100/adaptive", base), wl, _one_prompt(512),
+                         ACCELERATORS, get_link("NVLink4"))  # fmt: skip
+        assert sim.servers[0].policy.bounds.alignment == block
+        pd = parse_fleet("1P:H100,1D:H100/adaptive,per-request", base)
+        sim = Simulation(MODEL, pd, wl, _one_prompt(512), ACCELERATORS, get_link("NVLink4"))
+        assert sim.decider.settings.block_tokens == block
+
+
 def test_a_calibration_file_carries_its_step_model(tmp_path: Path) -> None:
     acc = {"name": "calibrated", "bf16_flops": 1.4e11, "mem_bytes_per_s": 2.6e10,
            "mem_bytes": 2.4e10}  # fmt: skip
@@ -144,6 +159,16 @@ def test_the_calibration_fit_recovers_a_known_step_model(calibrate_engine) -> No
     for got, want in zip(coef, SM.coefficients(), strict=True):
         assert got == pytest.approx(want, rel=0.1, abs=1.0)
     assert all(abs(r["error"]) < 0.05 for r in rows) and len(rows) == len(points)
+
+
+def test_the_slo_scale_is_the_reference_prefill_here_over_there(calibrate_engine) -> None:
+    """goodput.py's SLO was set where its reference prompt prefilled in a stated time; the
+    scale printed for --slo-scale is this machine's fitted time for it over that time."""
+    tokens, seconds = calibrate_engine.gp.SLO_REFERENCE_PREFILL
+    alone = StepFeatures(tokens, 1, chunk_attention_pairs(0, tokens))
+    # one coefficient only (per 1k tokens), chosen so the reference takes twice its time
+    coef = [0.0, 2 * seconds * 1e3 / alone.vector()[1], 0.0, 0.0]
+    assert calibrate_engine.slo_scale(coef) == pytest.approx(2.0)
 
 
 def test_p99_allowance_is_the_nearest_rank_rule() -> None:

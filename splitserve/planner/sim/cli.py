@@ -167,6 +167,13 @@ def _floats(option: str, text: str) -> list[float]:
     help="vLLM's cap on one prompt's tokens in a step (0: none).",
 )
 @click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="The engine's KV block (vLLM: 16 on GPU, 128 on CPU): the adaptive budget's alignment.",
+)
+@click.option(
     "--adaptive-target-ms",
     type=_POSITIVE,
     default=None,
@@ -330,6 +337,7 @@ def _base_fleet(kw: dict[str, Any]) -> Fleet:
             step_overhead_ms=kw["step_overhead_ms"],
             long_prefill_token_threshold=kw["long_prefill_token_threshold"],
             adaptive_target_itl_ms=kw["adaptive_target_ms"],
+            block_size=kw["block_size"],
             kv_dtype=kw["kv_dtype"].lower(),
             weight_bytes=WEIGHT_DTYPE_BYTES[kw["weight_dtype"].lower()],
         ),
