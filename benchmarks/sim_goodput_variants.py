@@ -13,8 +13,9 @@ Variants of (e), each one change from the shipped rule:
 - ``busy-uncapped``: the ``prefill_busy`` rule without ``busy_max_tokens`` (the rule before
   session 24: any prompt, documents included, goes to D when P's queue is long);
 - ``busy-off``: no ``prefill_busy`` rule;
-- ``floor-256``: the adaptive budget's floor fixed at 256 tokens (``min_chunk: 256``, the
-  default before session 24) on D (and on (c)'s servers, printed as ``(c) floor-256``).
+- ``floor-256``: the adaptive budget's floor fixed at 256 tokens (the fleet's
+  ``adaptive_min_chunk``, the policy's ``min_chunk``: the default before session 24) on D (and
+  on (c)'s servers, printed as ``(c) floor-256``).
 
 Prints, per contender and rate, the mean attainment over the seeds and the worst seed's.
 
@@ -35,9 +36,7 @@ from typing import Any
 from splitserve.planner.calibration_file import load_calibration
 from splitserve.planner.catalog import get_model
 from splitserve.planner.sim import Fleet, PoolSpec, Simulation, parse_fleet
-from splitserve.planner.sim import engine as sim_engine
 from splitserve.planner.sim.fleet import LinkSpec, ServerSettings
-from splitserve.schedulers.policy import BudgetPolicySettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goodput as gp  # noqa: E402
@@ -51,33 +50,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _policy_settings(min_chunk: int | None) -> Any:
-    """The settings class the simulator builds each adaptive server's policy from, with
-    ``min_chunk`` fixed when given."""
-    if min_chunk is None:
-        return BudgetPolicySettings
-    return lambda **kw: BudgetPolicySettings(min_chunk=min_chunk, **kw)
-
-
-def attainments(fleet: Fleet, ctx: dict[str, Any], rate: float, seeds: list[int],
-                duration: float, min_chunk: int | None = None) -> list[float]:  # fmt: skip
+def attainments(
+    fleet: Fleet, ctx: dict[str, Any], rate: float, seeds: list[int], duration: float
+) -> list[float]:
     """Simulated attainment of ``fleet`` at ``rate``, one per seed."""
-    sim_engine.BudgetPolicySettings = _policy_settings(min_chunk)
-    try:
-        out = []
-        for seed in seeds:
-            reqs = svg.bench_requests(rate, duration, seed)
-            sim = Simulation(ctx["model"], fleet, ctx["workload"], reqs, ctx["accelerators"],
-                             ctx["link"], step_models=ctx["step_models"])  # fmt: skip
-            svg.warm_decider(sim)
-            out.append(sim.run().attainment)
-        return out
-    finally:
-        sim_engine.BudgetPolicySettings = BudgetPolicySettings
+    out = []
+    for seed in seeds:
+        reqs = svg.bench_requests(rate, duration, seed)
+        sim = Simulation(ctx["model"], fleet, ctx["workload"], reqs, ctx["accelerators"],
+                         ctx["link"], step_models=ctx["step_models"])  # fmt: skip
+        svg.warm_decider(sim)
+        out.append(sim.run().attainment)
+    return out
 
 
-def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet, int | None]]:
-    """(row name, fleet, fixed min_chunk or None): the five contenders, then the variants."""
+def _with_floor(fleet: Fleet, min_chunk: int) -> Fleet:
+    server = fleet.server.model_copy(update={"adaptive_min_chunk": min_chunk})
+    return fleet.model_copy(update={"server": server})
+
+
+def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet]]:
+    """(row name, fleet): the five contenders, then the variants."""
     base = Fleet(
         pools=[PoolSpec(role="colocated", count=1, gpu=ctx["gpu"])],
         server=ServerSettings(max_num_seqs=svg.VLLM_CPU_SEQS, kv_dtype="fp32",
@@ -85,7 +78,7 @@ def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet, int | None]]:
                               adaptive_target_itl_ms=gp.ADAPTIVE_TARGET_MS),
         link=LinkSpec(name=ctx["link"].name),
     )  # fmt: skip
-    rows: list[tuple[str, Fleet, int | None]] = []
+    rows: list[tuple[str, Fleet]] = []
     built: dict[str, Fleet] = {}
     for c in gp.CONTENDERS:
         spec, budget, lpt = svg.fleet_spec(c, ctx["gpu"])
@@ -93,14 +86,16 @@ def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet, int | None]]:
             update={"max_num_batched_tokens": budget, "long_prefill_token_threshold": lpt}
         )
         built[c.name] = parse_fleet(spec, base.model_copy(update={"server": settings}))
-        rows.append((c.label.split(" ")[0] + " " + c.name, built[c.name], None))
-    rows.append(("(c) floor-256", built["colocated-adaptive"], 256))
+        rows.append((c.label.split(" ")[0] + " " + c.name, built[c.name]))
+    rows.append(("(c) floor-256", _with_floor(built["colocated-adaptive"], 256)))
     e = built["pd-decide"]
     for name, change in VARIANTS.items():
         fleet = e
         if "routing" in change:
             fleet = e.model_copy(update={"routing": e.routing.model_copy(update=change["routing"])})
-        rows.append((f"(e) {name}", fleet, change.get("min_chunk")))
+        if "min_chunk" in change:
+            fleet = _with_floor(fleet, change["min_chunk"])
+        rows.append((f"(e) {name}", fleet))
     return rows
 
 
@@ -132,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulated, {len(seeds)} seeds x {args.duration:g} s; mean attainment (worst seed)")
     print("| contender | " + " | ".join(f"{r:g}/s" for r in rates) + " |")
     print("|---|" + "---:|" * len(rates))
-    for name, fleet, min_chunk in fleets(ctx):
+    for name, fleet in fleets(ctx):
         cells = []
         for rate in rates:
-            a = attainments(fleet, ctx, rate, seeds, args.duration, min_chunk)
+            a = attainments(fleet, ctx, rate, seeds, args.duration)
             cells.append(f"{statistics.mean(a):.0%} ({min(a):.0%})")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     return 0

@@ -99,7 +99,8 @@ def test_the_adaptive_target_is_the_fleets_setting_or_the_tightest_class() -> No
 
 def test_the_adaptive_budget_aligns_to_the_servers_block() -> None:
     """vLLM's CPU block is 128 tokens: the simulated policy aligns to it as the served one does
-    (and the per-request rule counts whole blocks of it)."""
+    (and the per-request rule counts whole blocks of it); a fleet's adaptive_min_chunk is the
+    policy's min_chunk (a fixed floor)."""
     wl = Workload.single(512, 16, 2000, 100)
     for block in (16, 128):
         base = Fleet(pools=[{"role": "colocated", "count": 1}],
@@ -110,6 +111,12 @@ def test_the_adaptive_budget_aligns_to_the_servers_block() -> None:
         pd = parse_fleet("1P:H100,1D:H100/adaptive,per-request", base)
         sim = Simulation(MODEL, pd, wl, _one_prompt(512), ACCELERATORS, get_link("NVLink4"))
         assert sim.decider.settings.block_tokens == block
+    fixed = Fleet(pools=[{"role": "colocated", "count": 1}],
+                  server=ServerSettings(block_size=128, adaptive_min_chunk=256))  # fmt: skip
+    sim = Simulation(MODEL, parse_fleet("1C:H100/adaptive", fixed), wl, _one_prompt(512),
+                     ACCELERATORS, get_link("NVLink4"))  # fmt: skip
+    bounds = sim.servers[0].policy.bounds
+    assert (bounds.min_chunk, bounds.floor_from_target) == (256, False)
 
 
 def test_a_calibration_file_carries_its_step_model(tmp_path: Path) -> None:

@@ -131,7 +131,9 @@ class Simulation:
             policy = None
             if spec.budget == "adaptive" and spec.role != PREFILL:
                 target = st.adaptive_target_itl_ms or itl_ms
-                settings = BudgetPolicySettings(target_itl_ms=target, alignment=st.block_size)
+                settings = BudgetPolicySettings(
+                    target_itl_ms=target, alignment=st.block_size, min_chunk=st.adaptive_min_chunk
+                )
                 policy = BudgetPolicy.create(
                     settings,
                     engine_block_size=st.block_size,

@@ -81,6 +81,10 @@ class ServerSettings(BaseModel):
     adaptive_target_itl_ms: float | None = Field(
         None, gt=0, description="the adaptive budget's target (None: the tightest class's ITL)"
     )
+    adaptive_min_chunk: int | None = Field(
+        None, ge=1, description="the adaptive budget's min_chunk, a multiple of block_size "
+        "(None: the policy's default floor, which follows the target)",
+    )  # fmt: skip
     block_size: int = Field(
         16, ge=1, description="the engine's KV block (vLLM: 16 on GPU, 128 on CPU): the "
         "adaptive budget's alignment and the per-request rule's prefix granularity",
