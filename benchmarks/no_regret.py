@@ -27,6 +27,12 @@ starts and printed with the results.
   target holds when the adaptive budget is within 5% in every cell and every fixed setting falls
   >= 20% short in at least one cell.
 
+**Time scale** (``--time-scale S``, default 1): a machine S times slower than the one the
+cells were stated for runs the same experiment S times slower: every arrival time, arrival
+window, TTFT bound, ITL target and adaptive target is multiplied by S (the requests themselves are
+the stated ones). ``benchmarks/calibrate_engine.py`` prints the machine's factor (goodput.py's
+``--slo-scale``); the cells keep their stated names and the report records S.
+
 The fixed settings do not depend on the ITL target, so one run of each serves both targets'
 cells of its (model, workload); only the adaptive budget runs once per target. Runs of a
 (model, workload) rotate their order by its index; results are written to ``--out`` after every
@@ -38,7 +44,7 @@ Usage:
     .venv/bin/python benchmarks/no_regret.py --dry-run                  # the plan, no servers
     .venv/bin/python benchmarks/no_regret.py --quick --out runs/no-regret-quick.json
     .venv/bin/python benchmarks/no_regret.py --quick --cells mid-mixed-400,mid-mixed-1200 --out ...
-    .venv/bin/python benchmarks/no_regret.py --from-json A.json B.json --out AB.json
+    .venv/bin/python benchmarks/no_regret.py --from-json A.json B.json --out AB.json --plot AB.png
 """
 
 from __future__ import annotations
@@ -51,14 +57,15 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from chunking import FIXED_BUDGETS, SCHEDULER_CLS, build_schedule
+from chunking import SCHEDULER_CLS, build_schedule
 from common.metrics import metrics_text
 from goodput import MAX_MODEL_LEN, Arrival, Result, drive, pct
 from goodput import workload as mixed_workload
+from noregretbench.verdict import BASELINES, markdown, plot, verdict
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.launch.group import ServerGroup
@@ -70,8 +77,6 @@ logger = logging.getLogger("benchmarks.no_regret")
 # ---------------------------------------------------------------------- stated before any run
 
 SEED = 18
-WITHIN = 0.95  # adaptive >= WITHIN x best fixed, in every cell
-SHORT = 0.80  # a fixed setting <= SHORT x best somewhere "falls >= 20% short"
 ADAPTIVE_TARGET_SHARE = 0.6  # target_itl_ms = 0.6 x the cell's ITL target (docs/scheduler.md)
 LARGE_BUDGET = 4096  # start-up budget of lpt-256 and adaptive (the scheduler only lowers it)
 WORKLOADS = ("mixed", "phased")
@@ -108,21 +113,34 @@ QUICK_CELLS = ("tiny-mixed-50", "tiny-mixed-150")
 
 @dataclass(frozen=True)
 class Cell:
+    """One cell as stated (``itl_ms``, named after it) and the machine's time scale: every
+    bound the cell checks is the stated one times ``scale``."""
+
     model: str
     workload: str
     itl_ms: float
+    scale: float = 1.0
 
     @property
     def name(self) -> str:
         return f"{self.model}-{self.workload}-{self.itl_ms:g}"
 
     @property
+    def itl_s(self) -> float:
+        return self.itl_ms * self.scale / 1e3
+
+    @property
+    def ttft_bounds_s(self) -> tuple[float, float]:
+        """(chat/short, document/long) TTFT bounds, scaled."""
+        m = MODELS[self.model]
+        return m.ttft_short_s * self.scale, m.ttft_long_s * self.scale
+
+    @property
     def adaptive_run(self) -> str:
-        return f"adaptive-{ADAPTIVE_TARGET_SHARE * self.itl_ms:g}ms"
+        return f"adaptive-{round(ADAPTIVE_TARGET_SHARE * self.itl_ms * self.scale, 3):g}ms"
 
 
 CELLS = [Cell(m, w, t) for m in MODELS for w in WORKLOADS for t in MODELS[m].itl_ms]
-BASELINES = [f"fixed-{n}" for n in FIXED_BUDGETS] + ["lpt-256"]
 
 
 def server_args(run: str) -> list[str]:
@@ -158,8 +176,18 @@ def plan(cells: list[Cell]) -> list[tuple[str, str, list[str]]]:
 # ---------------------------------------------------------------------- workloads (pure)
 
 
-def arrivals(model: str, workload: str, duration_s: float, seed: int = SEED) -> list[Arrival]:
-    """The seeded arrivals of one (model, workload): the same for every contender."""
+def arrivals(
+    model: str, workload: str, duration_s: float, seed: int = SEED, scale: float = 1.0
+) -> list[Arrival]:
+    """The seeded arrivals of one (model, workload) over the stated ``duration_s``: the same for
+    every contender; ``scale`` stretches their times (the same requests, ``scale`` x later)."""
+    stated = _stated_arrivals(model, workload, duration_s, seed)
+    if scale == 1.0:
+        return stated
+    return [replace(a, at_s=a.at_s * scale) for a in stated]
+
+
+def _stated_arrivals(model: str, workload: str, duration_s: float, seed: int) -> list[Arrival]:
     m = MODELS[model]
     if workload == "mixed":
         return mixed_workload(m.mixed_rate, duration_s, seed)
@@ -195,12 +223,12 @@ def record(r: Result) -> dict[str, Any]:
 
 
 def meets(rec: dict[str, Any], cell: Cell) -> bool:
-    m = MODELS[cell.model]
     if rec["error"] is not None or rec["ttft_s"] is None:
         return False
-    if rec["ttft_s"] > (m.ttft_long_s if rec["kind"] == "doc" else m.ttft_short_s):
+    short, long = cell.ttft_bounds_s
+    if rec["ttft_s"] > (long if rec["kind"] == "doc" else short):
         return False
-    return rec["gap_p99_s"] is None or rec["gap_p99_s"] <= cell.itl_ms / 1e3
+    return rec["gap_p99_s"] is None or rec["gap_p99_s"] <= cell.itl_s
 
 
 def goodput(run: dict[str, Any], cell: Cell) -> float:
@@ -222,90 +250,17 @@ def table(runs: dict[str, dict[str, Any]], cells: list[Cell]) -> dict[str, dict[
     return out
 
 
-def verdict(
-    goodputs: dict[str, dict[str, float]], within: float = WITHIN, short: float = SHORT
-) -> dict[str, Any]:
-    """The issue's two conditions over the complete cells (adaptive and every baseline run).
-
-    Per cell: the best baseline, adaptive / best, each baseline / best (None where the best is 0:
-    nobody met the SLO, so nobody is short and the adaptive budget is not behind). Per baseline:
-    its worst ratio over the cells and whether that is <= ``short``."""
-    complete = {c: g for c, g in goodputs.items() if "adaptive" in g and set(BASELINES) <= set(g)}
-    cells: dict[str, Any] = {}
-    for name, g in complete.items():
-        best_name = max(BASELINES, key=lambda b: g[b])
-        best = g[best_name]
-        ratios = {b: (g[b] / best if best > 0 else None) for b in BASELINES}
-        cells[name] = {
-            "best": best_name,
-            "best_goodput": best,
-            "adaptive_ratio": g["adaptive"] / best if best > 0 else None,
-            "adaptive_within": g["adaptive"] >= within * best,
-            "ratios": ratios,
-        }
-    worst: dict[str, float | None] = {}
-    for b in BASELINES:
-        seen = [c["ratios"][b] for c in cells.values() if c["ratios"][b] is not None]
-        worst[b] = min(seen) if seen else None
-    falls = {b: w is not None and w <= short for b, w in worst.items()}
-    no_regret = bool(cells) and all(c["adaptive_within"] for c in cells.values())
-    every_fixed = bool(cells) and all(falls.values())
-    return {
-        "complete_cells": sorted(cells),
-        "incomplete_cells": sorted(set(goodputs) - set(complete)),
-        "cells": cells,
-        "worst_ratio": worst,
-        "falls_short": falls,
-        "adaptive_within_everywhere": no_regret,
-        "every_fixed_falls_short_somewhere": every_fixed,
-        "target_met": no_regret and every_fixed,
-    }
-
-
-def markdown(goodputs: dict[str, dict[str, float]], v: dict[str, Any]) -> str:
-    cols = [*BASELINES, "adaptive"]
-    lines = [
-        "| cell | " + " | ".join(cols) + " | best fixed | adaptive / best |",
-        "|---|" + "---:|" * len(cols) + "---|---:|",
-    ]
-    for name, g in goodputs.items():
-        vals = " | ".join("-" if c not in g else f"{g[c]:.2f}" for c in cols)
-        cell = v["cells"].get(name)
-        if cell is None:
-            lines.append(f"| {name} | {vals} | (incomplete) | - |")
-            continue
-        r = cell["adaptive_ratio"]
-        mark = "" if cell["adaptive_within"] else " (miss)"
-        lines.append(
-            f"| {name} | {vals} | {cell['best']} | {'-' if r is None else f'{r:.3f}'}{mark} |"
-        )
-    worst = " | ".join(
-        "-"
-        if (w := v["worst_ratio"][b]) is None
-        else f"{w:.3f}" + ("" if v["falls_short"][b] else " (never)")
-        for b in BASELINES
-    )
-    lines.append(f"| worst / best over cells | {worst} | | | |")
-    lines += [
-        "",
-        f"Goodput in good requests/s. Complete cells: {len(v['complete_cells'])} of 8"
-        + (f"; incomplete: {', '.join(v['incomplete_cells'])}" if v["incomplete_cells"] else "")
-        + ".",
-        f"Adaptive within {1 - WITHIN:.0%} of the best fixed setting in every complete cell: "
-        f"{'yes' if v['adaptive_within_everywhere'] else 'no'}.",
-        f"Every fixed setting >= {1 - SHORT:.0%} short of the best in some complete cell: "
-        f"{'yes' if v['every_fixed_falls_short_somewhere'] else 'no'}.",
-        f"Target met (over the complete cells): {'yes' if v['target_met'] else 'no'}.",
-    ]
-    return "\n".join(lines)
-
-
-def definition() -> str:
+def definition(scale: float = 1.0) -> str:
     parts = [
         f"goodput = requests meeting the cell's SLO per second of arrivals (seed {SEED}); SLO: no "
         "error, TTFT within the class bound, the request's own p99 inter-token gap <= the cell's "
         f"ITL target; adaptive target_itl_ms = {ADAPTIVE_TARGET_SHARE:g} x ITL target"
     ]
+    if scale != 1.0:
+        parts.append(
+            f"time scale {scale:g}: every arrival time, window, TTFT bound, ITL target and "
+            "adaptive target below is multiplied by it (cells keep their stated names)"
+        )
     for name, m in MODELS.items():
         parts.append(
             f"{name}: ITL targets {m.itl_ms[0]:g} / {m.itl_ms[1]:g} ms, TTFT <= "
@@ -381,12 +336,19 @@ def run_one(model_dir: Path, run: str, reqs: list[Arrival], log_dir: Path, core:
 
 def run(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="no-regret-"))
-    report: dict[str, Any] = {"definition": definition(), "args": _jsonable(vars(args)), "runs": {}}
+    scale = args.time_scale
+    report: dict[str, Any] = {
+        "definition": definition(scale),
+        "args": _jsonable(vars(args)),
+        "time_scale": scale,
+        "runs": {},
+    }
     models: dict[str, Path] = {}
     for model, wl, order in plan(cells):
         m = MODELS[model]
-        duration = m.quick_duration_s if args.quick else (args.duration or m.duration_s)
-        reqs = arrivals(model, wl, duration, args.seed)
+        stated = m.quick_duration_s if args.quick else (args.duration or m.duration_s)
+        reqs = arrivals(model, wl, stated, args.seed, scale)
+        duration = stated * scale
         if model not in models:
             models[model] = build_model(resolve_spec(model), work / model)
         logger.info("%s/%s: %d requests over %g s; order %s", model, wl, len(reqs), duration, order)
@@ -423,7 +385,11 @@ def _write(path: Path | None, report: dict[str, Any], cells: list[Cell]) -> None
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """The runs of several reports as one (a run measured twice is an error: which counts?)."""
+    """The runs of several reports as one (a run measured twice is an error: which counts?;
+    so is a mix of time scales: which bounds apply?)."""
+    scales = {report_scale(r) for r in reports}
+    if len(scales) > 1:
+        raise SystemExit(f"cannot merge: the reports ran at different time scales {sorted(scales)}")
     runs: dict[str, Any] = {}
     for r in reports:
         for key, one in r["runs"].items():
@@ -433,16 +399,27 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "definition": reports[0]["definition"],
         "args": {"merged_from": len(reports)},
+        "time_scale": scales.pop(),
         "runs": runs,
     }
 
 
+def report_scale(report: dict[str, Any]) -> float:
+    """A report's time scale (reports written before ``--time-scale`` existed ran at 1)."""
+    return float(report.get("time_scale", 1.0))
+
+
+def scaled(cells: list[Cell], scale: float) -> list[Cell]:
+    return [replace(c, scale=scale) for c in cells]
+
+
 def dry_run(cells: list[Cell], quick: bool, duration: float | None, seed: int) -> str:
-    lines = [definition(), "cells: " + ", ".join(c.name for c in cells)]
+    scale = cells[0].scale if cells else 1.0
+    lines = [definition(scale), "cells: " + ", ".join(c.name for c in cells)]
     for model, wl, order in plan(cells):
         m = MODELS[model]
-        d = m.quick_duration_s if quick else (duration or m.duration_s)
-        reqs = arrivals(model, wl, d, seed)
+        d = (m.quick_duration_s if quick else (duration or m.duration_s)) * scale
+        reqs = arrivals(model, wl, d / scale, seed, scale)
         docs = sum(a.kind == "doc" for a in reqs)
         lines.append(
             f"{model}/{wl}: {len(reqs)} requests ({docs} documents/long) over {d:g} s, "
@@ -463,9 +440,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--duration", type=float, help="arrival window (s) of full runs")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--core", type=int, default=0, help="the CPU core every server is pinned to")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="how many times slower this machine is than the stated one "
+        "(calibrate_engine.py prints it): multiplies every time of the experiment",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--out", type=Path, help="JSON results (rewritten after every run)")
     ap.add_argument("--from-json", type=Path, nargs="+", help="merge written reports, run nothing")
+    ap.add_argument("--plot", type=Path, help="PNG: each cell's goodputs over its best fixed one")
     args = ap.parse_args(argv)
     by_name = {c.name: c for c in CELLS}
     names = [x for x in args.cells.split(",") if x] or (
@@ -474,7 +459,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     unknown = sorted(set(names) - set(by_name))
     if unknown:
         ap.error(f"--cells: unknown cell(s) {unknown}")
-    return args, [by_name[n] for n in names]
+    if not args.time_scale > 0:
+        ap.error(f"--time-scale must be positive, got {args.time_scale}")
+    return args, scaled([by_name[n] for n in names], args.time_scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,16 +469,22 @@ def main(argv: list[str] | None = None) -> int:
     args, cells = parse_args(argv)
     if args.from_json:
         report = merge([json.loads(p.read_text()) for p in args.from_json])
-        _write(args.out, report, CELLS)
-        print(markdown(report["goodput"], report["verdict"]))
+        _write(args.out, report, scaled(CELLS, report["time_scale"]))
+        _show(report, args.plot)
         return 0
     print(dry_run(cells, args.quick, args.duration, args.seed), flush=True)
     if args.dry_run:
         return 0
     report = run(args, cells)
     _write(args.out, report, cells)
-    print(markdown(report["goodput"], report["verdict"]))
+    _show(report, args.plot)
     return 0
+
+
+def _show(report: dict[str, Any], plot_path: Path | None) -> None:
+    print(markdown(report["goodput"], report["verdict"]))
+    if plot_path is not None and plot(report["goodput"], report["verdict"], plot_path):
+        print(f"plot: {plot_path}")
 
 
 if __name__ == "__main__":

@@ -174,3 +174,39 @@ def test_cli_help_and_dry_run() -> None:
         timeout=120,
     )
     assert bad.returncode != 0 and "unknown cell" in bad.stderr
+
+
+def test_time_scale_stretches_times_and_bounds_not_the_requests(nr) -> None:
+    """--time-scale S: the same requests S x later, every bound S x looser, the adaptive target
+    S x larger; the cell keeps its stated name (its runs and merges are found by it)."""
+    stated, slow = nr.Cell("mid", "mixed", 400.0), nr.Cell("mid", "mixed", 400.0, scale=1.6)
+    assert slow.name == stated.name == "mid-mixed-400"
+    assert slow.itl_s == pytest.approx(0.64)
+    assert slow.ttft_bounds_s == pytest.approx((1.5 * 1.6, 8.0 * 1.6))
+    assert slow.adaptive_run == "adaptive-384ms" and stated.adaptive_run == "adaptive-240ms"
+    a, b = nr.arrivals("mid", "mixed", 40.0), nr.arrivals("mid", "mixed", 40.0, scale=1.6)
+    assert [x.prompt for x in a] == [x.prompt for x in b]
+    assert [x.at_s * 1.6 for x in a] == pytest.approx([x.at_s for x in b])
+
+    rec = {"kind": "chat", "ttft_s": 2.0, "gap_p99_s": 0.5, "tokens": 9, "error": None}
+    run = {"duration_s": 1.0, "requests": [rec]}
+    assert nr.goodput(run, stated) == 0.0 and nr.goodput(run, slow) == 1.0
+
+
+def test_reports_at_different_time_scales_do_not_merge(nr) -> None:
+    one = {"definition": "d", "runs": {"tiny-mixed-fixed-256": {}}, "time_scale": 1.6}
+    other = {"definition": "d", "runs": {"tiny-mixed-fixed-512": {}}}  # written before: scale 1
+    with pytest.raises(SystemExit, match="different time scales"):
+        nr.merge([one, other])
+    merged = nr.merge([one, {**other, "time_scale": 1.6}])
+    assert merged["time_scale"] == 1.6 and len(merged["runs"]) == 2
+
+
+def test_plot_of_the_complete_cells(nr, tmp_path) -> None:
+    g = {
+        "tiny-mixed-50": _cell(nr, adaptive=0.97, fixed_256=0.7),
+        "tiny-mixed-150": {"fixed-256": 1.0},  # incomplete: not drawn
+    }
+    out = tmp_path / "nr.png"
+    assert nr.plot(g, nr.verdict(g), out) and out.stat().st_size > 1000
+    assert not nr.plot({}, nr.verdict({}), tmp_path / "none.png")

@@ -1,0 +1,1 @@
+"""Parts of benchmarks/no_regret.py."""
