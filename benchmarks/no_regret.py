@@ -157,10 +157,11 @@ def server_args(run: str) -> list[str]:
     return [*base, "--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
 
 
-def plan(cells: list[Cell]) -> list[tuple[str, str, list[str]]]:
+def plan(cells: list[Cell], only: str = "all") -> list[tuple[str, str, list[str]]]:
     """(model, workload, runs in order) for the selected cells: the baselines once per
     (model, workload), one adaptive run per ITL target, the order rotated by the pair's index
-    among all eight cells' pairs (so no contender always runs first)."""
+    among all eight cells' pairs (so no contender always runs first). ``only``: "adaptive" or
+    "baselines" keeps those runs of the rotated order."""
     pairs = [(m, w) for m in MODELS for w in WORKLOADS]
     out = []
     for k, pair in enumerate(pairs):
@@ -169,7 +170,10 @@ def plan(cells: list[Cell]) -> list[tuple[str, str, list[str]]]:
             continue
         runs = BASELINES + sorted({c.adaptive_run for c in mine})
         shift = k % len(runs)
-        out.append((*pair, runs[shift:] + runs[:shift]))
+        order = runs[shift:] + runs[:shift]
+        if only != "all":
+            order = [r for r in order if r.startswith("adaptive-") == (only == "adaptive")]
+        out.append((*pair, order))
     return out
 
 
@@ -344,7 +348,7 @@ def run(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
         "runs": {},
     }
     models: dict[str, Path] = {}
-    for model, wl, order in plan(cells):
+    for model, wl, order in plan(cells, args.only):
         m = MODELS[model]
         stated = m.quick_duration_s if args.quick else (args.duration or m.duration_s)
         reqs = arrivals(model, wl, stated, args.seed, scale)
@@ -384,21 +388,25 @@ def _write(path: Path | None, report: dict[str, Any], cells: list[Cell]) -> None
         path.write_text(json.dumps(report, indent=1))
 
 
-def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """The runs of several reports as one (a run measured twice is an error: which counts?;
-    so is a mix of time scales: which bounds apply?)."""
+def merge(reports: list[dict[str, Any]], replace_runs: bool = False) -> dict[str, Any]:
+    """The runs of several reports as one (a run measured twice is an error: which counts?,
+    unless ``replace_runs``: a later report's run replaces an earlier one, and the report lists
+    it; a mix of time scales is always an error: which bounds apply?)."""
     scales = {report_scale(r) for r in reports}
     if len(scales) > 1:
         raise SystemExit(f"cannot merge: the reports ran at different time scales {sorted(scales)}")
     runs: dict[str, Any] = {}
+    replaced: list[str] = []
     for r in reports:
         for key, one in r["runs"].items():
             if key in runs:
-                raise SystemExit(f"cannot merge: {key} measured twice")
+                if not replace_runs:
+                    raise SystemExit(f"cannot merge: {key} measured twice (--replace: the later)")
+                replaced.append(key)
             runs[key] = one
     return {
         "definition": reports[0]["definition"],
-        "args": {"merged_from": len(reports)},
+        "args": {"merged_from": len(reports), "replaced": replaced},
         "time_scale": scales.pop(),
         "runs": runs,
     }
@@ -413,10 +421,12 @@ def scaled(cells: list[Cell], scale: float) -> list[Cell]:
     return [replace(c, scale=scale) for c in cells]
 
 
-def dry_run(cells: list[Cell], quick: bool, duration: float | None, seed: int) -> str:
+def dry_run(
+    cells: list[Cell], quick: bool, duration: float | None, seed: int, only: str = "all"
+) -> str:
     scale = cells[0].scale if cells else 1.0
     lines = [definition(scale), "cells: " + ", ".join(c.name for c in cells)]
-    for model, wl, order in plan(cells):
+    for model, wl, order in plan(cells, only):
         m = MODELS[model]
         d = (m.quick_duration_s if quick else (duration or m.duration_s)) * scale
         reqs = arrivals(model, wl, d / scale, seed, scale)
@@ -450,6 +460,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--out", type=Path, help="JSON results (rewritten after every run)")
     ap.add_argument("--from-json", type=Path, nargs="+", help="merge written reports, run nothing")
+    ap.add_argument(
+        "--only",
+        choices=("all", "adaptive", "baselines"),
+        default="all",
+        help="run only the adaptive budget's runs or only the baselines (merge them later)",
+    )
+    ap.add_argument(
+        "--replace", action="store_true", help="--from-json: a later report's run replaces"
+    )
     ap.add_argument("--plot", type=Path, help="PNG: each cell's goodputs over its best fixed one")
     args = ap.parse_args(argv)
     by_name = {c.name: c for c in CELLS}
@@ -468,11 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args, cells = parse_args(argv)
     if args.from_json:
-        report = merge([json.loads(p.read_text()) for p in args.from_json])
+        report = merge([json.loads(p.read_text()) for p in args.from_json], args.replace)
         _write(args.out, report, scaled(CELLS, report["time_scale"]))
         _show(report, args.plot)
         return 0
-    print(dry_run(cells, args.quick, args.duration, args.seed), flush=True)
+    print(dry_run(cells, args.quick, args.duration, args.seed, args.only), flush=True)
     if args.dry_run:
         return 0
     report = run(args, cells)

@@ -15,7 +15,10 @@ Variants of (e), each one change from the shipped rule:
 - ``busy-off``: no ``prefill_busy`` rule;
 - ``floor-256``: the adaptive budget's floor fixed at 256 tokens (the fleet's
   ``adaptive_min_chunk``, the policy's ``min_chunk``: the default before session 24) on D (and
-  on (c)'s servers, printed as ``(c) floor-256``).
+  on (c)'s servers, printed as ``(c) floor-256``);
+- ``share-off``: the adaptive budget given first come, first served instead of shared max-min
+  fairly among pending prompts (the policy's ``share_prefill``; the behaviour before session 25),
+  on D and on (c)'s servers.
 
 Prints, per contender and rate, the mean attainment over the seeds and the worst seed's.
 
@@ -46,7 +49,8 @@ UNCAPPED = 10**9
 VARIANTS: dict[str, dict[str, Any]] = {
     "busy-uncapped": {"routing": {"decide_busy_max_tokens": UNCAPPED}},
     "busy-off": {"routing": {"decode_prefill_cost_ratio": float(UNCAPPED)}},
-    "floor-256": {"min_chunk": 256},
+    "floor-256": {"server": {"adaptive_min_chunk": 256}},
+    "share-off": {"server": {"adaptive_share_prefill": False}},
 }
 
 
@@ -64,9 +68,8 @@ def attainments(
     return out
 
 
-def _with_floor(fleet: Fleet, min_chunk: int) -> Fleet:
-    server = fleet.server.model_copy(update={"adaptive_min_chunk": min_chunk})
-    return fleet.model_copy(update={"server": server})
+def _with_server(fleet: Fleet, change: dict[str, Any]) -> Fleet:
+    return fleet.model_copy(update={"server": fleet.server.model_copy(update=change)})
 
 
 def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet]]:
@@ -87,14 +90,17 @@ def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet]]:
         )
         built[c.name] = parse_fleet(spec, base.model_copy(update={"server": settings}))
         rows.append((c.label.split(" ")[0] + " " + c.name, built[c.name]))
-    rows.append(("(c) floor-256", _with_floor(built["colocated-adaptive"], 256)))
+    for name in ("floor-256", "share-off"):
+        rows.append(
+            (f"(c) {name}", _with_server(built["colocated-adaptive"], VARIANTS[name]["server"]))
+        )
     e = built["pd-decide"]
     for name, change in VARIANTS.items():
         fleet = e
         if "routing" in change:
             fleet = e.model_copy(update={"routing": e.routing.model_copy(update=change["routing"])})
-        if "min_chunk" in change:
-            fleet = _with_floor(fleet, change["min_chunk"])
+        if "server" in change:
+            fleet = _with_server(fleet, change["server"])
         rows.append((f"(e) {name}", fleet))
     return rows
 

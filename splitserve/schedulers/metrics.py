@@ -36,6 +36,7 @@ class BudgetMetrics:
     budget: Gauge
     budget_chosen: Histogram
     decisions: Counter
+    shared_steps: Counter
     step_seconds: Histogram
     prediction_error: Gauge
     relative_error: Histogram
@@ -63,6 +64,11 @@ def budget_metrics() -> BudgetMetrics:
             "Budget decisions by reason (no_decodes: maximum chunk; fits: the largest that fits "
             "the target; min_chunk: nothing fits, minimum chunk)",
             ["reason"],
+        ),
+        shared_steps=Counter(
+            "splitserve_scheduler_shared_steps",
+            "Steps that carried several prompts' chunks under a per-prompt cap (the budget "
+            "shared max-min fairly: short prompts finish, long ones share the rest)",
         ),
         step_seconds=Histogram(
             "splitserve_scheduler_step_seconds",
@@ -130,17 +136,28 @@ class BudgetExporter:
         self._abs_error_sum = 0.0
         self._reasons: dict[str, int] = {}
 
-    def decided(self, decision: BudgetDecision, num_decodes: int, waiting_tokens: int) -> None:
+    def decided(
+        self,
+        decision: BudgetDecision,
+        num_decodes: int,
+        waiting_tokens: int,
+        shared: bool = False,
+    ) -> None:
+        """Record one step's decision; ``shared``: the engine ran it with several prompts'
+        chunks under the decision's per-prompt cap."""
         self.metrics.budget.set(decision.prefill_budget)
         self.metrics.budget_chosen.observe(decision.prefill_budget)
         self.metrics.decisions.labels(decision.reason).inc()
+        if shared:
+            self.metrics.shared_steps.inc()
         self._budget_sum += decision.prefill_budget
         self._reasons[decision.reason] = self._reasons.get(decision.reason, 0) + 1
         if self.logger.isEnabledFor(logging.DEBUG):
             self.logger.debug(
-                "budget=%d reason=%s decodes=%d waiting_prefill=%d predicted_ms=%.2f",
+                "budget=%d reason=%s prompt_cap=%d decodes=%d waiting_prefill=%d predicted_ms=%.2f",
                 decision.prefill_budget,
                 decision.reason,
+                decision.prompt_cap,
                 num_decodes,
                 waiting_tokens,
                 decision.predicted_step_s * 1e3,

@@ -18,7 +18,13 @@ How it decides (see docs/scheduler.md):
   ``alignment`` unit: where a block is large and tokens are dear (a CPU's 128-token block, a
   256-token chunk costing more than the target) a fixed floor would break the target in every
   step that carries a prefill;
-- increases are smoothed (``increase_smoothing``), decreases apply at once.
+- increases are smoothed (``increase_smoothing``), decreases apply at once;
+- the budget is shared max-min fairly among the pending prompts (``share_prefill``, on by
+  default): the step's per-prompt cap (:func:`share_cap`) lets every prompt shorter than the fair
+  share finish its prefill in the step and splits the rest evenly among the longer ones, so a
+  40-token chat arriving behind a 4,000-token document is not held for the document's whole
+  prefill (first come, first served gives the document the whole budget, step after step).
+  The step's cost is predicted for that allocation.
 
 Invariants: ``alignment <= budget <= max_chunk`` (and ``budget >= min_chunk`` when that was set);
 with decodes running the budget is a multiple of ``alignment``; for the same model state a heavier
@@ -85,6 +91,11 @@ class BudgetPolicySettings(BaseModel):
     step_model: StepModelSettings = Field(default_factory=StepModelSettings)
     log_interval_s: float = Field(
         10.0, gt=0, description="adapter: seconds between info-level budget summaries"
+    )
+    share_prefill: bool = Field(
+        True,
+        description="split the prefill budget max-min fairly among pending prompts (short "
+        "ones finish, long ones share the rest) instead of first come, first served",
     )
     metrics_port: int | None = Field(
         None,
@@ -187,6 +198,9 @@ class BudgetDecision:
     prefill_budget: int
     predicted_step_s: float
     reason: str  # "no_decodes" | "fits" | "min_chunk"
+    # Most prefill tokens one prompt may take this step (vLLM: the step's
+    # long_prefill_token_threshold); 0: no cap (every prompt fits, or sharing is off).
+    prompt_cap: int = 0
 
 
 class BudgetPolicy:
@@ -214,7 +228,9 @@ class BudgetPolicy:
         if state.num_decodes == 0:
             budget = self.bounds.max_chunk
             self._previous_budget = budget
-            return BudgetDecision(budget, self.predict_s(state, budget), "no_decodes")
+            cap = self._cap(state, budget)
+            predicted = self.model.predict_s(plan_features(state, budget, 0, 0, cap))
+            return BudgetDecision(budget, predicted, "no_decodes", cap)
 
         align = self.bounds.alignment
         # The margin is relative, like the noise: predicted * (1 + k * scale) <= target.
@@ -226,7 +242,9 @@ class BudgetPolicy:
         decode_pairs = sum(c + 1 for c in state.decode_context_lens)
 
         def fits(units: int) -> bool:
-            features = plan_features(state, units * align, decode_tokens, decode_pairs)
+            budget = units * align
+            cap = self._cap(state, budget)
+            features = plan_features(state, budget, decode_tokens, decode_pairs, cap)
             return self.model.predict_s(features) <= limit_s
 
         if not fits(floor):
@@ -235,14 +253,26 @@ class BudgetPolicy:
             raw, reason = _largest(fits, floor, self.bounds.max_chunk // align) * align, "fits"
 
         budget = self._smooth(raw, floor * align)
-        predicted = self.model.predict_s(plan_features(state, budget, decode_tokens, decode_pairs))
-        return BudgetDecision(budget, predicted, reason)
+        cap = self._cap(state, budget)
+        features = plan_features(state, budget, decode_tokens, decode_pairs, cap)
+        return BudgetDecision(budget, self.model.predict_s(features), reason, cap)
 
     def predict_s(self, state: StepState, prefill_budget: int) -> float:
-        """Predicted duration of the next step if it gets ``prefill_budget`` prefill tokens."""
-        decode_pairs = sum(c + 1 for c in state.decode_context_lens)
-        features = plan_features(state, prefill_budget, state.num_decodes, decode_pairs)
-        return self.model.predict_s(features)
+        """Predicted duration of the next step if it gets ``prefill_budget`` prefill tokens
+        (shared as :meth:`decide` would share them)."""
+        return self.model.predict_s(self.step_features(state, prefill_budget))
+
+    def step_features(self, state: StepState, prefill_budget: int) -> StepFeatures:
+        """What the engine's step computes with this budget, shared as :meth:`decide` shares
+        it."""
+        cap = self._cap(state, prefill_budget)
+        return plan_features(state, prefill_budget, prompt_cap=cap)
+
+    def _cap(self, state: StepState, budget: int) -> int:
+        if not self.settings.share_prefill or len(state.prefills) < 2:
+            return 0
+        remaining = [p.remaining_tokens for p in state.prefills[:_MAX_PREFILLS_CONSIDERED]]
+        return share_cap(remaining, budget, self.bounds.alignment)
 
     def observe(self, executed: StepFeatures, measured_s: float) -> Observation:
         """Learn from a step that ran (what it computed and how long it took)."""
@@ -277,6 +307,27 @@ class BudgetPolicy:
         return budget
 
 
+def share_cap(remaining: Sequence[int], budget: int, alignment: int = 1) -> int:
+    """The per-prompt cap that shares ``budget`` max-min fairly among prompts with
+    ``remaining`` tokens to prefill: the largest cap ``c`` with ``sum(min(r, c)) <= budget``
+    (water-filling), rounded down to a multiple of ``alignment`` where one fits (chunks that end
+    on a block boundary), and at least 1. 0 (no cap) when every prompt fits whole.
+
+    With the cap, every prompt of at most ``c`` tokens completes its prefill in the step; the
+    longer ones take ``c`` each. Rounding down never overspends the budget; it may leave part of
+    it unused, which is the price of aligned chunks."""
+    pending = sorted(r for r in remaining if r > 0)
+    left = budget
+    for i, r in enumerate(pending):
+        share = left // (len(pending) - i)
+        if r > share:
+            if share >= alignment:
+                share -= share % alignment
+            return max(1, share)
+        left -= r
+    return 0
+
+
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     """The largest ``u`` in ``[lo, hi]`` with ``fits(u)``, given ``fits(lo)`` and that ``fits``
     only turns false as ``u`` grows (predictions never decrease with the budget: the step
@@ -295,8 +346,10 @@ def plan_features(
     prefill_budget: int,
     decode_tokens: int | None = None,
     decode_pairs: int | None = None,
+    prompt_cap: int = 0,
 ) -> StepFeatures:
-    """Features of the step the engine would run with this prefill budget (FCFS prefills).
+    """Features of the step the engine would run with this prefill budget: prefills taken in
+    the engine's (FCFS) order, each at most ``prompt_cap`` tokens when that is set.
 
     ``decode_tokens`` / ``decode_pairs`` may be passed precomputed (the bisection does).
     """
@@ -310,6 +363,8 @@ def plan_features(
         if left <= 0:
             break
         take = min(left, prefill.remaining_tokens)
+        if prompt_cap > 0:
+            take = min(take, prompt_cap)
         if take <= 0:
             continue
         tokens += take

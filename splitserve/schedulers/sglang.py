@@ -29,7 +29,8 @@ requests decode); without mixed chunks the predicted step includes their tokens 
 in the next batch, which errs on the safe side by one decode step's cost. On a PD **prefill**
 server nothing ever decodes, so the policy always answers its ``max_chunk``
 (``chunked_prefill_size`` unless set lower): the adaptive budget only matters on a unified
-server. Invariant: the budget never raises
+server. The policy's ``share_prefill`` does not apply (SGLang chunks one prompt at a time; the
+adapter turns it off). Invariant: the budget never raises
 ``rem_chunk_tokens`` above what SGLang chose.
 """
 
@@ -177,7 +178,9 @@ def build_budget(scheduler: Any, environ: Mapping[str, str]) -> SchedulerBudget 
     """The budget for one scheduler, or None when switched off; raises on a bad setting."""
     if not adaptive_budget_requested(environ):
         return None
-    settings = load_budget_settings(None, environ)
+    # SGLang chunks one prompt at a time (its PrefillAdder has no per-prompt cap to set), so the
+    # budget is not shared among prompts and the policy predicts first-come-first-served steps.
+    settings = load_budget_settings(None, environ).model_copy(update={"share_prefill": False})
     page_size = int(getattr(scheduler, "page_size", 1) or 1)
     try:
         policy = BudgetPolicy.create(

@@ -10,7 +10,11 @@ Runs in vLLM's EngineCore process (the API server's own process with
 2. asks :class:`~splitserve.schedulers.policy.BudgetPolicy` for the prefill budget and sets
    ``self.max_num_scheduled_tokens = min(start-up value, prefill budget + decode tokens)``: vLLM
    serves the running requests first, so the decodes always fit and prefill gets the rest;
-3. after ``update_from_output()``, feeds the policy what the step computed (from the
+3. sets the step's per-prompt cap (the policy's max-min fair share of the budget among pending
+   prompts, ``BudgetDecision.prompt_cap``) as vLLM's ``long_prefill_token_threshold``, which
+   ``schedule()`` reads every step, combined with a threshold set at start-up (the smaller one);
+   the scheduler works on its own copy of the scheduler config, so nothing else sees the change;
+4. after ``update_from_output()``, feeds the policy what the step computed (from the
    ``SchedulerOutput``) and how long it took.
 
 Step time is measured from ``schedule()`` entry to ``update_from_output()`` exit for the same
@@ -29,6 +33,7 @@ decoding reserves slots).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -77,6 +82,8 @@ class AdaptiveChunkScheduler(Scheduler):
         inline = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
         settings = load_budget_settings(inline, os.environ)
         self._startup_max_tokens = self.max_num_scheduled_tokens
+        self.scheduler_config = copy.copy(self.scheduler_config)  # ours to change per step
+        self._startup_prompt_cap = self.scheduler_config.long_prefill_token_threshold
         self._policy = BudgetPolicy.create(
             settings,
             engine_block_size=self.block_size,
@@ -104,17 +111,26 @@ class AdaptiveChunkScheduler(Scheduler):
         self.max_num_scheduled_tokens = min(
             self._startup_max_tokens, decision.prefill_budget + decode_tokens
         )
+        self.scheduler_config.long_prefill_token_threshold = _smaller_cap(
+            self._startup_prompt_cap, decision.prompt_cap
+        )
         output = super().schedule(*args, **kwargs)
         if output.total_num_scheduled_tokens > 0:
             # Only steps that run count as decisions: an engine loop that schedules nothing
             # (a request waiting for its KV from P, the empty step after the last request)
             # would read as a "no decodes" decision at the maximum and skew what D reports.
-            self._exporter.decided(decision, state.num_decodes, state.waiting_prefill_tokens)
+            features, prompt_chunks = self._executed(output)
+            self._exporter.decided(
+                decision,
+                state.num_decodes,
+                state.waiting_prefill_tokens,
+                shared=decision.prompt_cap > 0 and prompt_chunks >= 2,
+            )
             if len(self._in_flight) >= _MAX_IN_FLIGHT:
                 # Outputs vLLM never reported back (none are expected): forget the oldest rather
                 # than grow without bound.
                 self._in_flight.pop(next(iter(self._in_flight)))
-            self._in_flight[id(output)] = _StepRecord(started, self._executed_features(output))
+            self._in_flight[id(output)] = _StepRecord(started, features)
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any):
@@ -152,13 +168,22 @@ class AdaptiveChunkScheduler(Scheduler):
                 prefills.append(PendingPrefill(remaining, request.num_computed_tokens))
         return StepState(decode_context_lens=decode_contexts, prefills=prefills), decode_tokens
 
-    def _executed_features(self, output: SchedulerOutput) -> StepFeatures:
-        """What the scheduled step computes (``num_computed_tokens`` was already advanced)."""
-        tokens = pairs = 0
+    def _executed(self, output: SchedulerOutput) -> tuple[StepFeatures, int]:
+        """What the scheduled step computes (``num_computed_tokens`` was already advanced), and
+        how many prompts' chunks it carries."""
+        tokens = pairs = prompt_chunks = 0
         for req_id, new_tokens in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
+            start = request.num_computed_tokens - new_tokens
             tokens += new_tokens
-            pairs += chunk_attention_pairs(request.num_computed_tokens - new_tokens, new_tokens)
-        return StepFeatures(
+            pairs += chunk_attention_pairs(start, new_tokens)
+            prompt_chunks += start < request.num_prompt_tokens
+        features = StepFeatures(
             tokens=tokens, sequences=len(output.num_scheduled_tokens), attention_pairs=pairs
         )
+        return features, prompt_chunks
+
+
+def _smaller_cap(a: int, b: int) -> int:
+    """The tighter of two per-prompt caps, where 0 means none."""
+    return min(a, b) if a and b else a or b

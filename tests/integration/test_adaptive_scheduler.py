@@ -6,9 +6,11 @@ One real server runs ``--scheduler-cls splitserve.schedulers.vllm.AdaptiveChunkS
 appear on the API server's ``/metrics``: that is how the test observes the budget, as an operator
 would. Its target is 1 µs, unreachable on any machine (1 ms was not: a CI run learned steps fast
 enough that 128 tokens beside a few decodes "fit"), so the budget is exactly the maximum chunk
-on steps without decodes and the minimum chunk (256 tokens, the default) on steps with decodes:
-whether it moved is then a fact of the workload, not of timing. The reference is the shared
-default-scheduler server (key ``unified``).
+on steps without decodes and the floor (one 128-token block: no chunk fits such a target alone)
+on steps with decodes: whether it moved is then a fact of the workload, not of timing. The two
+long prompts arrive together while the short ones decode, so those one-block budgets are shared
+between them (64 tokens each, several prompts' chunks per step): vLLM ran the policy's
+per-prompt cap. The reference is the shared default-scheduler server (key ``unified``).
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ def test_greedy_tokens_match_default_and_budget_follows_decodes(adaptive_and_def
     assert 0 < at_most_min_chunk < steps, buckets
     # Every step of the short prompts' decoding ran with decodes, hence the minimum.
     assert decisions["min_chunk"] >= MAX_TOKENS - 1
+    # The long prompts shared those budgets: steps carried both prompts' chunks.
+    assert samples.get(("splitserve_scheduler_shared_steps_total", ()), 0) >= 1, samples
     assert samples[("splitserve_scheduler_step_seconds_count", ())] > 0
     assert ("splitserve_scheduler_prediction_error_seconds", ()) in samples
 

@@ -54,7 +54,7 @@ def train(policy: BudgetPolicy, rng: random.Random, steps: int, noise: float = 0
         budget = policy.decide(state).prefill_budget
         if rng.random() < 0.3:
             budget = rng.choice(range(ALIGN, ENGINE_MAX + 1, ALIGN))
-        executed = plan_features(state, budget)
+        executed = policy.step_features(state, budget)
         measured = true_step_s(executed) * (1 + rng.uniform(-noise, noise))
         policy.observe(executed, measured)
 
@@ -64,7 +64,7 @@ def oracle_budget(policy: BudgetPolicy, state: StepState) -> int:
     margin = 1 + policy.settings.safety_sigmas * policy.model.relative_scale
     best = policy.bounds.min_chunk
     for budget in range(policy.bounds.min_chunk, policy.bounds.max_chunk + 1, ALIGN):
-        step_ms = true_step_s(plan_features(state, budget)) * 1e3 * margin
+        step_ms = true_step_s(policy.step_features(state, budget)) * 1e3 * margin
         if step_ms <= policy.settings.target_itl_ms:
             best = budget
     return best
@@ -293,3 +293,49 @@ def test_coefficients_stay_non_negative() -> None:
         model.observe(features, (1 + features.tokens / 100) / 1e3)
     assert all(value >= 0 for value in model.coefficients.values())
     assert model.coefficients["ms_per_1m_pairs"] < 1.0
+
+
+# --- sharing the budget among prompts ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("remaining", "budget", "alignment", "cap"),
+    [
+        ([40, 4000], 512, 1, 472),  # the chat finishes, the document takes the rest
+        ([40, 4000], 512, 128, 384),  # ... rounded down to a block
+        ([100, 200], 512, 1, 0),  # everything fits: no cap
+        ([4000, 4000], 512, 128, 256),  # two long prompts: half each
+        ([10, 20, 30, 4000, 4000], 300, 1, 120),  # (300 - 60) / 2
+        ([4000] * 8, 256, 128, 32),  # a share below one block is kept, not rounded to 0
+        ([4000] * 300, 256, 1, 1),  # at least one token
+        ([], 256, 1, 0),
+    ],
+)
+def test_share_cap_is_max_min_fair(remaining, budget, alignment, cap) -> None:
+    from splitserve.schedulers.policy import share_cap
+
+    got = share_cap(remaining, budget, alignment)
+    assert got == cap
+    if got:
+        assert sum(min(r, got) for r in remaining) <= max(budget, len(remaining))
+
+
+def test_a_chat_behind_a_document_gets_its_prefill_in_the_same_step() -> None:
+    """First come, first served would give the running document the whole budget; shared, the
+    chat's 40 tokens run in this step and the predicted cost is that of the shared step."""
+    for decodes in ([], [1000] * 4):
+        state = StepState(decodes, [PendingPrefill(4080, 1000), PendingPrefill(40)])
+        shared, fcfs = make_policy(target_itl_ms=500.0), make_policy(share_prefill=False)
+        decision = shared.decide(state)
+        assert 0 < decision.prompt_cap <= decision.prefill_budget - 40
+        features = shared.step_features(state, decision.prefill_budget)
+        assert features.sequences == len(decodes) + 2
+        assert fcfs.decide(state).prompt_cap == 0
+
+
+def test_one_prompt_or_sharing_off_means_no_cap() -> None:
+    state = StepState([500] * 4, [PendingPrefill(4000)])
+    assert make_policy().decide(state).prompt_cap == 0
+    two = StepState([500] * 4, [PendingPrefill(4000), PendingPrefill(4000)])
+    assert make_policy(share_prefill=False).decide(two).prompt_cap == 0
+    assert make_policy().decide(two).prompt_cap > 0

@@ -210,3 +210,18 @@ def test_plot_of_the_complete_cells(nr, tmp_path) -> None:
     out = tmp_path / "nr.png"
     assert nr.plot(g, nr.verdict(g), out) and out.stat().st_size > 1000
     assert not nr.plot({}, nr.verdict({}), tmp_path / "none.png")
+
+
+def test_only_adaptive_or_baselines_and_a_merge_that_replaces(nr) -> None:
+    cells = [nr.Cell("mid", "phased", 400.0), nr.Cell("mid", "phased", 1200.0)]
+    ((_, _, adaptive),) = nr.plan(cells, "adaptive")
+    ((_, _, baselines),) = nr.plan(cells, "baselines")
+    assert sorted(adaptive) == ["adaptive-240ms", "adaptive-720ms"]
+    assert sorted(baselines) == sorted(nr.BASELINES)
+    first = {"definition": "d", "runs": {"k": {"v": 1}, "j": {"v": 0}}}
+    later = {"definition": "d", "runs": {"k": {"v": 2}}}
+    with pytest.raises(SystemExit, match="measured twice"):
+        nr.merge([first, later])
+    merged = nr.merge([first, later], replace_runs=True)
+    assert merged["runs"] == {"k": {"v": 2}, "j": {"v": 0}}
+    assert merged["args"]["replaced"] == ["k"]

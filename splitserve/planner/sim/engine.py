@@ -132,7 +132,10 @@ class Simulation:
             if spec.budget == "adaptive" and spec.role != PREFILL:
                 target = st.adaptive_target_itl_ms or itl_ms
                 settings = BudgetPolicySettings(
-                    target_itl_ms=target, alignment=st.block_size, min_chunk=st.adaptive_min_chunk
+                    target_itl_ms=target,
+                    alignment=st.block_size,
+                    min_chunk=st.adaptive_min_chunk,
+                    share_prefill=st.adaptive_share_prefill,
                 )
                 policy = BudgetPolicy.create(
                     settings,

@@ -85,6 +85,10 @@ class ServerSettings(BaseModel):
         None, ge=1, description="the adaptive budget's min_chunk, a multiple of block_size "
         "(None: the policy's default floor, which follows the target)",
     )  # fmt: skip
+    adaptive_share_prefill: bool = Field(
+        True, description="the adaptive budget shares its prefill tokens max-min fairly among "
+        "pending prompts (the policy's share_prefill)",
+    )  # fmt: skip
     block_size: int = Field(
         16, ge=1, description="the engine's KV block (vLLM: 16 on GPU, 128 on CPU): the "
         "adaptive budget's alignment and the per-request rule's prefix granularity",

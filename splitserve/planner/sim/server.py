@@ -144,23 +144,26 @@ class Server:
 
     # --- one step -----------------------------------------------------------------------
 
-    def _budget(self) -> int:
+    def _budget(self) -> tuple[int, int]:
+        """(prefill budget, per-prompt cap of the step; 0: none beyond the server's own)."""
         policy = self.policy
         if policy is None:
-            return self.max_tokens - self.n_dec
-        if not self.n_dec:
-            return policy.bounds.max_chunk
+            return self.max_tokens - self.n_dec, 0
         n, total = self.n_dec, self.sum_ctx
-        q, rem = divmod(total, n)
-        # The decodes' contexts evened out, same count and total: all the policy reads of them.
-        lens = [q + 1] * rem + [q] * (n - rem)
+        if n:
+            q, rem = divmod(total, n)
+            # The decodes' contexts evened out, same count and total: all the policy reads.
+            lens = [q + 1] * rem + [q] * (n - rem)
+        else:
+            lens = []
         shown = [PendingPrefill(r.target - r.computed, r.computed) for r in self.prefilling]
         for r in self.waiting:
             if len(shown) >= _PROMPTS_SHOWN_TO_POLICY:
                 break
             if not r.ready:
                 shown.append(PendingPrefill(r.target - r.computed, r.computed))
-        return policy.decide(StepState(lens, shown[:_PROMPTS_SHOWN_TO_POLICY])).prefill_budget
+        decision = policy.decide(StepState(lens, shown[:_PROMPTS_SHOWN_TO_POLICY]))
+        return decision.prefill_budget, decision.prompt_cap
 
     def _victim(self) -> Req | None:
         last_dec = next(reversed(self.decoding)) if self.decoding else None
@@ -221,7 +224,7 @@ class Server:
             sim = self.sim
             heappush(sim.heap, (now + dt, next(sim.seq), 0, self))
             return
-        budget = self._budget() if (self.waiting or self.prefilling) else 0
+        budget, step_cap = self._budget() if (self.waiting or self.prefilling) else (0, 0)
         preempted = False
         while self.kv_used + self.n_dec > self.kv_cap:
             victim = self._victim()
@@ -237,7 +240,7 @@ class Server:
         chunks: list[tuple[Req, int]] = []
         fresh: list[Req] = []
         left = budget
-        prompt_cap = self.prompt_cap
+        prompt_cap = min(self.prompt_cap, step_cap) if step_cap else self.prompt_cap
         for r in self.prefilling:
             if left <= 0 or free <= 0:
                 break
