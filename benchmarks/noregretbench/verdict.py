@@ -104,7 +104,7 @@ def plot(goodputs: dict[str, dict[str, float]], v: dict[str, Any], path: Path) -
         return False
     cols = [*BASELINES, "adaptive"]
     width = 0.8 / len(cols)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)) + 1.8, 4))
     for k, col in enumerate(cols):
         ys = [
             goodputs[n][col] / v["cells"][n]["best_goodput"]
@@ -120,7 +120,7 @@ def plot(goodputs: dict[str, dict[str, float]], v: dict[str, Any], path: Path) -
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("goodput / best fixed setting's")
     ax.set_title("No-regret table: goodput per cell against the best fixed setting")
-    ax.legend(fontsize=7, ncol=4, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
