@@ -14,10 +14,13 @@ How it decides (see docs/scheduler.md):
   step time, enlarged by ``safety_sigmas`` robust relative residual scales, stays under
   ``target_itl_ms``; the floor when even that one does not fit (prefill must always progress);
 - the floor is ``min_chunk`` when it is set; by default, the largest aligned chunk up to
-  ``DEFAULT_MIN_CHUNK_TOKENS`` whose step *alone* (no decodes) fits the target, at least one
-  ``alignment`` unit: where a block is large and tokens are dear (a CPU's 128-token block, a
-  256-token chunk costing more than the target) a fixed floor would break the target in every
-  step that carries a prefill;
+  ``DEFAULT_MIN_CHUNK_TOKENS`` whose step *alone* (no decodes) fits the target: where a block
+  is large and tokens are dear (a CPU's 128-token block, a 256-token chunk costing more than the
+  target) a fixed floor would break the target in every step that carries a prefill. When not
+  even one block fits alone (a chunk deep in a long prompt pays attention over its whole
+  context), the floor goes below the block in steps of ``SUB_BLOCK_TOKENS``, at least one such
+  step: the prompt still progresses, at nearly the same rate (a step's cost is then mostly per
+  token), and the decodes beside it keep their target;
 - increases are smoothed (``increase_smoothing``), decreases apply at once;
 - the budget is shared max-min fairly among the pending prompts (``share_prefill``, on by
   default): the step's per-prompt cap (:func:`share_cap`) lets every prompt shorter than the fair
@@ -26,9 +29,10 @@ How it decides (see docs/scheduler.md):
   prefill (first come, first served gives the document the whole budget, step after step).
   The step's cost is predicted for that allocation.
 
-Invariants: ``alignment <= budget <= max_chunk`` (and ``budget >= min_chunk`` when that was set);
-with decodes running the budget is a multiple of ``alignment``; for the same model state a heavier
-decode load never gets a larger budget.
+Invariants: ``budget <= max_chunk`` (and ``budget >= min_chunk`` when that was set); with decodes
+running the budget is a multiple of ``alignment``, or, only when one block alone breaks the
+target, a multiple of ``SUB_BLOCK_TOKENS`` below it (at least ``min(SUB_BLOCK_TOKENS,
+alignment)``); for the same model state a heavier decode load never gets a larger budget.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ _MAX_PREFILLS_CONSIDERED = 64
 # Default smallest prefill budget (rounded up to the alignment): prompts keep progressing at a
 # useful rate even when no larger chunk fits the target.
 DEFAULT_MIN_CHUNK_TOKENS = 256
+# The default floor's granularity below one block (vLLM's GPU block): chunks need not end on a
+# block boundary, but a handful of tokens per step would make a prompt crawl.
+SUB_BLOCK_TOKENS = 16
 
 
 class BudgetPolicySettings(BaseModel):
@@ -237,22 +244,27 @@ class BudgetPolicy:
         limit_s = (self.settings.target_itl_ms / 1e3) / (
             1.0 + self.settings.safety_sigmas * self.model.relative_scale
         )
-        floor = self._floor_units(state, limit_s)
+        floor = self._floor_tokens(state, limit_s)
         decode_tokens = state.num_decodes
         decode_pairs = sum(c + 1 for c in state.decode_context_lens)
 
-        def fits(units: int) -> bool:
-            budget = units * align
+        def fits_tokens(budget: int) -> bool:
             cap = self._cap(state, budget)
             features = plan_features(state, budget, decode_tokens, decode_pairs, cap)
             return self.model.predict_s(features) <= limit_s
 
-        if not fits(floor):
-            raw, reason = floor * align, "min_chunk"
-        else:
-            raw, reason = _largest(fits, floor, self.bounds.max_chunk // align) * align, "fits"
+        def fits(units: int) -> bool:
+            return fits_tokens(units * align)
 
-        budget = self._smooth(raw, floor * align)
+        if not fits_tokens(floor):
+            raw, reason = floor, "min_chunk"
+        elif floor < align:  # one block alone breaks the target: nothing larger fits
+            raw, reason = floor, "fits"
+        else:
+            units = _largest(fits, floor // align, self.bounds.max_chunk // align)
+            raw, reason = units * align, "fits"
+
+        budget = self._smooth(raw, floor)
         cap = self._cap(state, budget)
         features = plan_features(state, budget, decode_tokens, decode_pairs, cap)
         return BudgetDecision(budget, self.model.predict_s(features), reason, cap)
@@ -278,20 +290,27 @@ class BudgetPolicy:
         """Learn from a step that ran (what it computed and how long it took)."""
         return self.model.observe(executed, measured_s)
 
-    def _floor_units(self, state: StepState, limit_s: float) -> int:
-        """The smallest budget of this step, in alignment units: ``min_chunk`` when it was
-        set; else the largest chunk up to it whose step alone (no decodes) is predicted within
-        ``limit_s``, at least one unit. It does not depend on the decodes, so a heavier decode
-        load still never gets a larger budget."""
-        top = self.bounds.min_chunk // self.bounds.alignment
-        if not self.bounds.floor_from_target:
-            return top
+    def _floor_tokens(self, state: StepState, limit_s: float) -> int:
+        """The smallest budget of this step: ``min_chunk`` when it was set; else the largest
+        aligned chunk up to it whose step alone (no decodes) is predicted within ``limit_s``;
+        when not even one block fits alone, the largest multiple of ``SUB_BLOCK_TOKENS`` below
+        the block that does, at least one. It does not depend on the decodes, so a heavier
+        decode load still never gets a larger budget."""
         align = self.bounds.alignment
+        top = self.bounds.min_chunk // align
+        if not self.bounds.floor_from_target:
+            return top * align
 
-        def alone_fits(units: int) -> bool:
-            return self.model.predict_s(plan_features(state, units * align, 0, 0)) <= limit_s
+        def alone_fits(tokens: int) -> bool:
+            return self.model.predict_s(plan_features(state, tokens, 0, 0)) <= limit_s
 
-        return _largest(alone_fits, 1, top) if alone_fits(1) else 1
+        if alone_fits(align):
+            return _largest(lambda u: alone_fits(u * align), 1, top) * align
+        step = min(SUB_BLOCK_TOKENS, align)
+        below = (align - 1) // step  # multiples of step strictly below one block
+        if below < 1 or not alone_fits(step):
+            return step
+        return _largest(lambda u: alone_fits(u * step), 1, below) * step
 
     def _smooth(self, raw: int, floor: int) -> int:
         previous = self._previous_budget

@@ -158,12 +158,16 @@ def test_default_floor_is_what_fits_the_target_alone() -> None:
     decision = policy.decide(StepState([300] * 4, [PendingPrefill(3000)]))
     assert (decision.prefill_budget, decision.reason) == (128, "fits")
     assert decision.predicted_step_s * 1e3 <= 150.0
-    # A target that not even one block meets alone: one block, the least harm (and progress).
+    # A target that not even one block meets alone: below the block, in steps of 16 tokens,
+    # the largest that fits alone (19 ms + 0.9 ms x 32 = 47.8 ms within 50; 48 tokens: 62 ms).
     tight = cpu_like_policy(target_itl_ms=50.0).decide(StepState([300], [PendingPrefill(3000)]))
-    assert (tight.prefill_budget, tight.reason) == (128, "min_chunk")
+    assert (tight.prefill_budget, tight.reason) == (32, "fits")  # with its one decode: 48.7 ms
+    # Not even the smallest step fits: 16 tokens, the least harm (and progress).
+    hopeless = cpu_like_policy(target_itl_ms=20.0).decide(StepState([300], [PendingPrefill(3000)]))
+    assert (hopeless.prefill_budget, hopeless.reason) == (16, "min_chunk")
     # Where tokens are cheap the floor stays at the default 256.
     cheap = cpu_like_policy(target_itl_ms=1000.0)
-    assert cheap._floor_units(StepState([300], [PendingPrefill(3000)]), 1.0) == 2
+    assert cheap._floor_tokens(StepState([300], [PendingPrefill(3000)]), 1.0) == 256
 
 
 def test_a_min_chunk_that_was_set_is_kept() -> None:
