@@ -16,11 +16,11 @@ How it decides (see docs/scheduler.md):
 - the floor is ``min_chunk`` when it is set; by default, the largest aligned chunk up to
   ``DEFAULT_MIN_CHUNK_TOKENS`` whose step *alone* (no decodes) fits the target: where a block
   is large and tokens are dear (a CPU's 128-token block, a 256-token chunk costing more than the
-  target) a fixed floor would break the target in every step that carries a prefill. When not
-  even one block fits alone (a chunk deep in a long prompt pays attention over its whole
-  context), the floor goes below the block in steps of ``SUB_BLOCK_TOKENS``, at least one such
-  step: the prompt still progresses, at nearly the same rate (a step's cost is then mostly per
-  token), and the decodes beside it keep their target;
+  target) a fixed floor would break the target in every step that carries a prefill. It is at
+  least one block, unless ``floor_below_block`` is set: then, when not even one block fits alone
+  (a chunk deep in a long prompt pays attention over its whole context), the floor goes below
+  the block in steps of ``SUB_BLOCK_TOKENS``, at least one such step: the decodes beside it keep
+  their target, at the price of every prompt's prefill rate under decode load (TTFT);
 - increases are smoothed (``increase_smoothing``), decreases apply at once;
 - the budget is shared max-min fairly among the pending prompts (``share_prefill``, on by
   default): the step's per-prompt cap (:func:`share_cap`) lets every prompt shorter than the fair
@@ -30,9 +30,10 @@ How it decides (see docs/scheduler.md):
   The step's cost is predicted for that allocation.
 
 Invariants: ``budget <= max_chunk`` (and ``budget >= min_chunk`` when that was set); with decodes
-running the budget is a multiple of ``alignment``, or, only when one block alone breaks the
-target, a multiple of ``SUB_BLOCK_TOKENS`` below it (at least ``min(SUB_BLOCK_TOKENS,
-alignment)``); for the same model state a heavier decode load never gets a larger budget.
+running the budget is a multiple of ``alignment`` (with ``floor_below_block``, when one block
+alone breaks the target, a multiple of ``SUB_BLOCK_TOKENS`` below it, at least
+``min(SUB_BLOCK_TOKENS, alignment)``); for the same model state a heavier decode load never
+gets a larger budget.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class BudgetPolicySettings(BaseModel):
     step_model: StepModelSettings = Field(default_factory=StepModelSettings)
     log_interval_s: float = Field(
         10.0, gt=0, description="adapter: seconds between info-level budget summaries"
+    )
+    floor_below_block: bool = Field(
+        False,
+        description="with min_chunk unset: let the floor go below one block (16-token steps) "
+        "when not even a block fits the target alone; protects inter-token gaps beside long "
+        "prompts, slows every prompt's prefill under decode load",
     )
     share_prefill: bool = Field(
         True,
@@ -292,10 +299,11 @@ class BudgetPolicy:
 
     def _floor_tokens(self, state: StepState, limit_s: float) -> int:
         """The smallest budget of this step: ``min_chunk`` when it was set; else the largest
-        aligned chunk up to it whose step alone (no decodes) is predicted within ``limit_s``;
-        when not even one block fits alone, the largest multiple of ``SUB_BLOCK_TOKENS`` below
-        the block that does, at least one. It does not depend on the decodes, so a heavier
-        decode load still never gets a larger budget."""
+        aligned chunk up to it whose step alone (no decodes) is predicted within ``limit_s``,
+        at least one block; with ``floor_below_block``, when not even one block fits alone, the
+        largest multiple of ``SUB_BLOCK_TOKENS`` below the block that does, at least one. It
+        does not depend on the decodes, so a heavier decode load still never gets a larger
+        budget."""
         align = self.bounds.alignment
         top = self.bounds.min_chunk // align
         if not self.bounds.floor_from_target:
@@ -306,6 +314,8 @@ class BudgetPolicy:
 
         if alone_fits(align):
             return _largest(lambda u: alone_fits(u * align), 1, top) * align
+        if not self.settings.floor_below_block:
+            return align
         step = min(SUB_BLOCK_TOKENS, align)
         below = (align - 1) // step  # multiples of step strictly below one block
         if below < 1 or not alone_fits(step):

@@ -6,10 +6,10 @@ One real server runs ``--scheduler-cls splitserve.schedulers.vllm.AdaptiveChunkS
 appear on the API server's ``/metrics``: that is how the test observes the budget, as an operator
 would. Its target is 1 µs, unreachable on any machine (1 ms was not: a CI run learned steps fast
 enough that 128 tokens beside a few decodes "fit"), so the budget is exactly the maximum chunk
-on steps without decodes and the floor (16 tokens, the least below a block: no chunk fits such a
-target alone) on steps with decodes: whether it moved is then a fact of the workload, not of
-timing. The two long prompts arrive together while the short ones decode, so those budgets are
-shared between them (8 tokens each, several prompts' chunks per step): vLLM ran the policy's
+on steps without decodes and the floor (one 128-token block: no chunk fits such a target alone)
+on steps with decodes: whether it moved is then a fact of the workload, not of timing. The two
+long prompts arrive together while the short ones decode, so those one-block budgets are shared
+between them (64 tokens each, several prompts' chunks per step): vLLM ran the policy's
 per-prompt cap. The reference is the shared default-scheduler server (key ``unified``).
 """
 

@@ -158,12 +158,16 @@ def test_default_floor_is_what_fits_the_target_alone() -> None:
     decision = policy.decide(StepState([300] * 4, [PendingPrefill(3000)]))
     assert (decision.prefill_budget, decision.reason) == (128, "fits")
     assert decision.predicted_step_s * 1e3 <= 150.0
-    # A target that not even one block meets alone: below the block, in steps of 16 tokens,
-    # the largest that fits alone (19 ms + 0.9 ms x 32 = 47.8 ms within 50; 48 tokens: 62 ms).
-    tight = cpu_like_policy(target_itl_ms=50.0).decide(StepState([300], [PendingPrefill(3000)]))
-    assert (tight.prefill_budget, tight.reason) == (32, "fits")  # with its one decode: 48.7 ms
-    # Not even the smallest step fits: 16 tokens, the least harm (and progress).
-    hopeless = cpu_like_policy(target_itl_ms=20.0).decide(StepState([300], [PendingPrefill(3000)]))
+    # A target that not even one block meets alone: one block, the least harm (and progress).
+    state = StepState([300], [PendingPrefill(3000)])
+    tight = cpu_like_policy(target_itl_ms=50.0).decide(state)
+    assert (tight.prefill_budget, tight.reason) == (128, "min_chunk")
+    # floor_below_block: below the block, in steps of 16 tokens, the largest that fits alone
+    # (19 ms + 0.9 ms x 32 = 47.8 ms within 50; 48 tokens: 62 ms).
+    below = cpu_like_policy(target_itl_ms=50.0, floor_below_block=True).decide(state)
+    assert (below.prefill_budget, below.reason) == (32, "fits")  # with its one decode: 48.7 ms
+    # Not even the smallest step fits: 16 tokens.
+    hopeless = cpu_like_policy(target_itl_ms=20.0, floor_below_block=True).decide(state)
     assert (hopeless.prefill_budget, hopeless.reason) == (16, "min_chunk")
     # Where tokens are cheap the floor stays at the default 256.
     cheap = cpu_like_policy(target_itl_ms=1000.0)
