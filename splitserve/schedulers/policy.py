@@ -22,8 +22,8 @@ How it decides (see docs/scheduler.md):
   the block in steps of ``SUB_BLOCK_TOKENS``, at least one such step: the decodes beside it keep
   their target, at the price of every prompt's prefill rate under decode load (TTFT);
 - increases are smoothed (``increase_smoothing``), decreases apply at once;
-- the budget is shared max-min fairly among the pending prompts (``share_prefill``, on by
-  default): the step's per-prompt cap (:func:`share_cap`) lets every prompt shorter than the fair
+- with ``share_prefill`` (opt-in) the budget is shared max-min fairly among the pending
+  prompts: the step's per-prompt cap (:func:`share_cap`) lets every prompt shorter than the fair
   share finish its prefill in the step and splits the rest evenly among the longer ones, so a
   40-token chat arriving behind a 4,000-token document is not held for the document's whole
   prefill (first come, first served gives the document the whole budget, step after step).
@@ -107,7 +107,7 @@ class BudgetPolicySettings(BaseModel):
         "prompts, slows every prompt's prefill under decode load",
     )
     share_prefill: bool = Field(
-        True,
+        False,
         description="split the prefill budget max-min fairly among pending prompts (short "
         "ones finish, long ones share the rest) instead of first come, first served",
     )

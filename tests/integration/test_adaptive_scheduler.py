@@ -48,7 +48,9 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def adaptive_and_default(servers, tiny_model, tmp_path_factory):
     prometheus_dir = tmp_path_factory.mktemp("prometheus-multiproc")
-    settings = {"splitserve_scheduler": {"target_itl_ms": 0.001, "log_interval_s": 5}}
+    settings = {
+        "splitserve_scheduler": {"target_itl_ms": 0.001, "log_interval_s": 5, "share_prefill": True}
+    }
     adaptive = servers.vllm(
         "adaptive-scheduler",
         tiny_model,

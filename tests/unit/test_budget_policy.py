@@ -333,7 +333,7 @@ def test_a_chat_behind_a_document_gets_its_prefill_in_the_same_step() -> None:
     chat's 40 tokens run in this step and the predicted cost is that of the shared step."""
     for decodes in ([], [1000] * 4):
         state = StepState(decodes, [PendingPrefill(4080, 1000), PendingPrefill(40)])
-        shared, fcfs = make_policy(target_itl_ms=500.0), make_policy(share_prefill=False)
+        shared, fcfs = make_policy(target_itl_ms=500.0, share_prefill=True), make_policy()
         decision = shared.decide(state)
         assert 0 < decision.prompt_cap <= decision.prefill_budget - 40
         features = shared.step_features(state, decision.prefill_budget)
@@ -343,7 +343,7 @@ def test_a_chat_behind_a_document_gets_its_prefill_in_the_same_step() -> None:
 
 def test_one_prompt_or_sharing_off_means_no_cap() -> None:
     state = StepState([500] * 4, [PendingPrefill(4000)])
-    assert make_policy().decide(state).prompt_cap == 0
+    assert make_policy(share_prefill=True).decide(state).prompt_cap == 0
     two = StepState([500] * 4, [PendingPrefill(4000), PendingPrefill(4000)])
-    assert make_policy(share_prefill=False).decide(two).prompt_cap == 0
-    assert make_policy().decide(two).prompt_cap > 0
+    assert make_policy().decide(two).prompt_cap == 0  # off by default
+    assert make_policy(share_prefill=True).decide(two).prompt_cap > 0
