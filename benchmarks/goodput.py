@@ -57,12 +57,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
+from pydantic import ValidationError
 
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
 from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
+from splitserve.schedulers.policy import BudgetPolicySettings
 
 logger = logging.getLogger("benchmarks.goodput")
 
@@ -90,6 +93,9 @@ MAX_MODEL_LEN = 4096  # the model's own limit; the longest document plus its out
 BUDGET = 4096  # start-up --max-num-batched-tokens of every server but (a)'s (vLLM's default)
 SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
 QUICK = {"rates": [0.3, 0.8], "duration": 25.0}
+# Extra adaptive-scheduler settings (--scheduler-set KEY=VALUE), e.g. share_prefill=true: the
+# policy's options measured one at a time against its defaults.
+SCHEDULER_EXTRA: dict[str, Any] = {}
 
 
 def scale_slo(scale: float) -> None:
@@ -149,6 +155,7 @@ class Result:
     first: float | None = None
     times: list[float] = field(default_factory=list)
     error: str | None = None
+    prompt_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -181,6 +188,16 @@ def summarize(results: list[Result]) -> dict[str, Any]:
         "errors": sum(r.error is not None for r in results),
         "attainment": sum(map(meets_slo, results)) / max(1, len(results)),
     }
+    out["per_request"] = [
+        {
+            "kind": r.kind,
+            "prompt_tokens": r.prompt_tokens,
+            "ttft_s": r.ttft,
+            "gap_p99_ms": None if (g := pct(r.gaps, 99)) is None else 1e3 * g,
+            "ok": meets_slo(r),
+        }
+        for r in results
+    ]
     for kind in ("chat", "doc"):
         mine = [r for r in results if r.kind == kind and r.ttft is not None]
         ttft = [r.ttft for r in mine if r.ttft is not None]
@@ -242,7 +259,7 @@ def order_for(round_index: int, contenders: list[Contender] = CONTENDERS) -> lis
 
 
 def _adaptive_args(metrics_port: int | None = None) -> list[str]:
-    sched: dict[str, Any] = {"target_itl_ms": ADAPTIVE_TARGET_MS}
+    sched: dict[str, Any] = {"target_itl_ms": ADAPTIVE_TARGET_MS, **SCHEDULER_EXTRA}
     if metrics_port is not None:
         sched["metrics_port"] = metrics_port
     settings = {"splitserve_scheduler": sched}
@@ -334,7 +351,7 @@ async def drive(url: str, arrivals: list[Arrival]) -> list[Result]:
             delay = start + a.at_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            r = Result(a.kind, time.perf_counter())
+            r = Result(a.kind, time.perf_counter(), prompt_tokens=len(a.prompt))
             results.append(r)
             tasks.append(asyncio.create_task(_one(session, url, a, r)))
         await asyncio.gather(*tasks)
@@ -607,6 +624,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def dry_run(args: argparse.Namespace) -> str:
     """The plan without servers: SLO, contenders, each rate's workload and order."""
     lines = [slo_text(), "contenders:"] + [f"  {c.label}" for c in CONTENDERS]
+    if SCHEDULER_EXTRA:
+        lines.append(f"adaptive scheduler settings beyond its defaults: {SCHEDULER_EXTRA}")
     for i, rate in enumerate(args.rates):
         w = workload(rate, args.duration, args.seed)
         docs = [a for a in w if a.kind == "doc"]
@@ -635,6 +654,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="multiply the SLO's TTFT and gap bounds and the adaptive target by this: this "
         "machine's prefill time over the one the SLO was set on (calibrate_engine.py prints it)",
     )  # fmt: skip
+    ap.add_argument(
+        "--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
+        help="an extra adaptive-scheduler setting for (c) and (e)'s D (repeatable; the value "
+        "is read as YAML: share_prefill=true, floor_below_block=true)",
+    )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help=f"a short sweep: {QUICK}")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--out", type=Path, help="JSON results")
@@ -657,6 +681,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.slo_scale > 0:
         ap.error(f"--slo-scale must be positive, got {args.slo_scale}")
     scale_slo(args.slo_scale)
+    SCHEDULER_EXTRA.clear()
+    for item in args.scheduler_set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--scheduler-set takes KEY=VALUE, got {item!r}")
+        SCHEDULER_EXTRA[key] = yaml.safe_load(value)
+    try:
+        BudgetPolicySettings(target_itl_ms=ADAPTIVE_TARGET_MS, **SCHEDULER_EXTRA)
+    except ValidationError as e:
+        ap.error(f"--scheduler-set: {e}")
     return args
 
 

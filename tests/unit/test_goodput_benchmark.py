@@ -94,6 +94,23 @@ def test_slo_scale_multiplies_every_bound_and_the_target(goodput) -> None:
     assert "scaled" not in goodput.slo_text()
 
 
+def test_scheduler_set_reaches_the_adaptive_servers_only(goodput) -> None:
+    try:
+        goodput.parse_args(
+            ["--scheduler-set", "share_prefill=true", "--scheduler-set", "floor_below_block=no"]
+        )
+        adaptive = " ".join(goodput.server_args("pd", "d"))
+        assert '"share_prefill": true' in adaptive
+        assert '"floor_below_block": false' in adaptive
+        assert "share_prefill" not in " ".join(goodput.server_args("pd", "p"))
+        for bad in (["--scheduler-set", "no_such_setting=1"], ["--scheduler-set", "novalue"]):
+            with pytest.raises(SystemExit):
+                goodput.parse_args(bad)
+    finally:
+        goodput.parse_args([])
+    assert "share_prefill" not in " ".join(goodput.server_args("pd", "d"))
+
+
 def test_quick_dry_run_prints_the_plan() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--dry-run"],
