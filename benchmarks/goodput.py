@@ -39,7 +39,9 @@ Usage:
 
 Servers are started per (rate, contender group) and stopped after it (groups: (a), (b), (c),
 (d)+(e)), so start-up dominates a short sweep on 2 cores; results go to JSON and a markdown
-table on stdout.
+table on stdout. ``--scheduler-set share_prefill=true`` (repeatable) runs (c) and (e)'s D with
+an adaptive option beyond the defaults. The client, the contenders, the report and what is read
+from the servers after a run are in ``benchmarks/goodputbench/``.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
+from goodputbench.client import Arrival, Result, drive, pct, stream_one
+from goodputbench.contenders import CONTENDERS, Contender, order_for
+from goodputbench.report import ATTAINMENT_GOAL, capacity, markdown, merge, plot
+from goodputbench.scrape import proxy_decisions, scheduler_figures
 from pydantic import ValidationError
 
 from splitserve.launch.group import ServerGroup
@@ -74,7 +79,7 @@ logger = logging.getLogger("benchmarks.goodput")
 SLO_TTFT_CHAT_S = 1.5
 SLO_TTFT_DOC_S = 8.0
 SLO_GAP_P99_S = 0.25
-ATTAINMENT_GOAL = 0.90
+# ATTAINMENT_GOAL (90%): stated in goodputbench/report.py, beside the capacity rule.
 ADAPTIVE_TARGET_SHARE = 0.6  # of the gap bound: docs/scheduler.md, "Tuning"
 ADAPTIVE_TARGET_MS = ADAPTIVE_TARGET_SHARE * SLO_GAP_P99_S * 1e3
 # The bounds above were set where the mid preset prefilled 2,048 tokens in 2.5 s on one core.
@@ -112,14 +117,6 @@ def scale_slo(scale: float) -> None:
 # ---------------------------------------------------------------------- workload (pure)
 
 
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float
-    kind: str  # "chat" | "doc"
-    prompt: tuple[int, ...]
-    max_tokens: int
-
-
 def workload(rate: float, duration_s: float, seed: int = SEED) -> list[Arrival]:
     """Poisson arrivals at ``rate`` per second over ``duration_s``, every draw from ``seed``
     (so every contender gets the same requests at a rate)."""
@@ -146,31 +143,6 @@ def salted(arrivals: list[Arrival], k: int) -> list[Arrival]:
         first = 5 + (a.prompt[0] - 5 + 199 * k) % 996
         out.append(Arrival(a.at_s, a.kind, (first, *a.prompt[1:]), a.max_tokens))
     return out
-
-
-@dataclass
-class Result:
-    kind: str
-    sent: float
-    first: float | None = None
-    times: list[float] = field(default_factory=list)
-    error: str | None = None
-    prompt_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first is None else self.first - self.sent
-
-    @property
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 def meets_slo(r: Result) -> bool:
@@ -215,47 +187,7 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     return out
 
 
-def capacity(attainment_by_rate: dict[float, float], goal: float = ATTAINMENT_GOAL) -> float:
-    """The highest swept rate at which this and every lower swept rate reach ``goal`` (0 when
-    the lowest rate already misses it)."""
-    best = 0.0
-    for rate in sorted(attainment_by_rate):
-        if attainment_by_rate[rate] < goal:
-            break
-        best = rate
-    return best
-
-
 # ---------------------------------------------------------------------- contenders
-
-
-@dataclass(frozen=True)
-class Contender:
-    name: str
-    group: str  # contenders of one group share servers
-    label: str
-
-
-CONTENDERS = [
-    Contender("colocated", "colocated", "(a) 2 colocated, least loaded, default budget"),
-    Contender("colocated-lpt", "colocated-lpt", "(b) 2 colocated, budget 4096, lpt 256"),
-    Contender("colocated-adaptive", "colocated-adaptive", "(c) 2 colocated, adaptive budget"),
-    Contender("pd", "pd", "(d) 1 P + 1 D, every request disaggregated"),
-    Contender("pd-decide", "pd", "(e) 1 P + 1 D, per-request decision, adaptive budget on D"),
-]
-
-
-def order_for(round_index: int, contenders: list[Contender] = CONTENDERS) -> list[Contender]:
-    """Contenders rotated by the round (rate) index, keeping a group's members together (they
-    share servers): group order rotates, members keep their order."""
-    groups: list[list[Contender]] = []
-    for c in contenders:
-        if groups and groups[-1][0].group == c.group:
-            groups[-1].append(c)
-        else:
-            groups.append([c])
-    k = round_index % len(groups)
-    return [c for g in groups[k:] + groups[:k] for c in g]
 
 
 def _adaptive_args(metrics_port: int | None = None) -> list[str]:
@@ -310,54 +242,6 @@ def proxy_settings(c: Contender, urls: dict[str, str], p_side: int | None) -> di
 # ---------------------------------------------------------------------- running
 
 
-async def _one(session: aiohttp.ClientSession, url: str, a: Arrival, r: Result) -> None:
-    body = {
-        "model": "bench",
-        "prompt": list(a.prompt),
-        "max_tokens": a.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-                return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if r.first is None:
-                    r.first = now
-                r.times.append(now)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        r.error = repr(e)
-
-
-async def drive(url: str, arrivals: list[Arrival]) -> list[Result]:
-    results: list[Result] = []
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-    ) as session:
-        tasks = []
-        start = time.perf_counter()
-        for a in arrivals:
-            delay = start + a.at_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            r = Result(a.kind, time.perf_counter(), prompt_tokens=len(a.prompt))
-            results.append(r)
-            tasks.append(asyncio.create_task(_one(session, url, a, r)))
-        await asyncio.gather(*tasks)
-    return results
-
-
 def _start_group(group: str, model: Path, log_dir: Path) -> tuple[ServerGroup, dict, int | None]:
     servers = ServerGroup(log_dir)
     http = free_ports(2)
@@ -408,7 +292,7 @@ async def _warm(url: str) -> None:
         for n in WARM_PROMPTS:
             r = Result("warm", time.perf_counter())
             prompt = tuple(10 + i % 900 for i in range(n))  # ids within the vocabulary
-            await _one(session, url, Arrival(0, "chat", prompt, 4), r)
+            await stream_one(session, url, Arrival(0, "chat", prompt, 4), r)
             if r.error:
                 raise RuntimeError(f"warm-up failed: {r.error}")
 
@@ -441,61 +325,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 decisions = proxy.state.metrics.render().decode()
             row = {"contender": c.name, "label": c.label, "rate": rate, "wall_s": wall}
             row.update(summarize(results))
-            row["decisions"] = _decisions(decisions) if c.name == "pd-decide" else None
+            row["decisions"] = proxy_decisions(decisions) if c.name == "pd-decide" else None
             if c.group in ("pd", "colocated-adaptive"):
                 role = "d" if c.group == "pd" else "s0"
-                row["scheduler"] = _scheduler_figures(urls[f"{role}-scheduler"])
+                row["scheduler"] = scheduler_figures(urls[f"{role}-scheduler"])
             rows.append(row)
             logger.info("%s @ %.2f/s: attainment %.0f%%", c.name, rate, 100 * row["attainment"])
         if current is not None:
             current[1].stop()
     caps = {
-        c.name: capacity({r["rate"]: r["attainment"] for r in rows if r["contender"] == c.name})
+        c.name: capacity(
+            {r["rate"]: r["attainment"] for r in rows if r["contender"] == c.name},
+        )
         for c in CONTENDERS
         if c.name in args.only
     }
     return {"slo": slo_text(), "args": vars(args), "rows": rows, "capacity": caps}
-
-
-def _decisions(metrics_text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            if s.name == "splitserve_proxy_decisions_total":
-                out[f"{s.labels['route']}/{s.labels['reason']}"] = s.value
-    return out
-
-
-def _scheduler_figures(url: str) -> dict[str, Any]:
-    """What the adaptive scheduler on that server saw so far (cumulative over the group's
-    runs): steps, decisions by reason, and the share of steps whose relative prediction error
-    stayed under 10%, 20% and 50% (its histogram's buckets)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError as e:
-        return {"error": repr(e)}
-    out: dict[str, Any] = {"decisions": {}, "error_le": {}}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name == "splitserve_scheduler_budget_decisions_total":
-                out["decisions"][smp.labels["reason"]] = smp.value
-            elif smp.name == "splitserve_scheduler_prediction_abs_error_ratio_bucket":
-                out["error_le"][smp.labels["le"]] = smp.value
-            elif smp.name == "splitserve_scheduler_prediction_abs_error_ratio_count":
-                out["steps"] = smp.value
-    steps = out.get("steps") or 0
-    if steps:
-        out["share_under"] = {
-            le: v / steps for le, v in out["error_le"].items() if le in ("0.1", "0.2", "0.5")
-        }
-    return out
 
 
 # ---------------------------------------------------------------------- reporting
@@ -513,112 +358,6 @@ def slo_text() -> str:
         f"{SLO_GAP_P99_S * 1e3:g} ms; capacity = highest swept rate with >= "
         f"{ATTAINMENT_GOAL:.0%} attainment there and below"
     )
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        report["slo"],
-        "",
-        "| contender | rate/s | attainment (chat / doc) | chat TTFT p50/p99 s | doc TTFT p50/p99 s "
-        "| chat gap-p99 p50/p90 ms | doc gap-p99 p50/p90 ms | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def f(x: float | None, d: int = 2) -> str:
-        return "-" if x is None else f"{x:.{d}f}"
-
-    for r in sorted(report["rows"], key=lambda r: (r["contender"], r["rate"])):
-        ch, doc = r["chat"], r["doc"]
-        lines.append(
-            f"| {r['contender']} | {r['rate']:g} | {r['attainment']:.0%} "
-            f"({ch['attainment']:.0%} of {ch['n']} / {doc['attainment']:.0%} of {doc['n']}) | "
-            f"{f(ch['ttft_p50_s'])} / {f(ch['ttft_p99_s'])} | "
-            f"{f(doc['ttft_p50_s'])} / {f(doc['ttft_p99_s'])} | "
-            f"{f(ch['gap_p99_p50_ms'], 0)} / {f(ch['gap_p99_p90_ms'], 0)} | "
-            f"{f(doc['gap_p99_p50_ms'], 0)} / {f(doc['gap_p99_p90_ms'], 0)} | {r['errors']} |"
-        )
-    caps = report["capacity"]
-    best_rival = max((v for k, v in caps.items() if k != "pd-decide"), default=0.0)
-    lines += ["", "| contender | capacity under SLO (req/s) |", "|---|---:|"]
-    lines += [f"| {k} | {v:g} |" for k, v in caps.items()]
-    if "pd-decide" in caps and best_rival > 0:
-        lines.append(f"\n(e) / best of (a)-(d): {caps['pd-decide'] / best_rival:.2f}x")
-    sched = [r for r in report["rows"] if r.get("scheduler") or r.get("decisions")]
-    if sched:
-        lines += [
-            "",
-            "Adaptive scheduler (cumulative per server group and rate; D for pd) and the proxy's"
-            " decisions:",
-            "",
-            "| contender | rate/s | steps | budget decisions | steps predicted within 10/20/50% "
-            "| proxy decisions |",
-            "|---|---:|---:|---|---:|---|",
-        ]
-        for r in sorted(sched, key=lambda r: (r["contender"], r["rate"])):
-            s = r.get("scheduler") or {}
-            under = s.get("share_under") or {}
-            within = " / ".join(
-                f"{under[k]:.0%}" if k in under else "-" for k in ("0.1", "0.2", "0.5")
-            )
-            dec = ", ".join(f"{k} {v:g}" for k, v in (s.get("decisions") or {}).items()) or "-"
-            prox = ", ".join(f"{k} {v:g}" for k, v in (r.get("decisions") or {}).items()) or "-"
-            lines.append(
-                f"| {r['contender']} | {r['rate']:g} | {s.get('steps', 0):g} | {dec} | {within} "
-                f"| {prox} |"
-            )
-    return "\n".join(lines)
-
-
-def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from sweeps of the same workload (preset, duration, seed) at different rates:
-    their rows together, capacity recomputed over the union of rates (a rate measured twice is
-    an error: which run would count?)."""
-    first = reports[0]
-    same = ("preset", "duration", "seed")
-    for r in reports[1:]:
-        if any(r["args"].get(k) != first["args"].get(k) for k in same):
-            raise SystemExit(f"cannot merge: {same} differ ({r['args']} vs {first['args']})")
-    rows = [row for r in reports for row in r["rows"]]
-    seen: set[tuple[str, float]] = set()
-    for row in rows:
-        key = (row["contender"], float(row["rate"]))
-        if key in seen:
-            raise SystemExit(f"cannot merge: {key} measured twice")
-        seen.add(key)
-    names = [c.name for c in CONTENDERS if any(r["contender"] == c.name for r in rows)]
-    caps = {
-        n: capacity({r["rate"]: r["attainment"] for r in rows if r["contender"] == n})
-        for n in names
-    }
-    rates = sorted({float(r["rate"]) for r in rows})
-    args = {**first["args"], "rates": rates, "merged_from": len(reports)}
-    return {"slo": first["slo"], "args": args, "rows": rows, "capacity": caps}
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Attainment vs arrival rate, one line per contender, the 90% goal drawn across."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {c.name: c.label for c in CONTENDERS}
-    for name in report["capacity"]:
-        rows = sorted(
-            (r for r in report["rows"] if r["contender"] == name), key=lambda r: r["rate"]
-        )
-        ax.plot([r["rate"] for r in rows], [100 * r["attainment"] for r in rows], "o-",
-                label=labels.get(name, name))  # fmt: skip
-    ax.axhline(100 * ATTAINMENT_GOAL, color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("arrival rate (req/s)")
-    ax.set_ylabel("SLO attainment (%)")
-    ax.set_ylim(0, 105)
-    ax.legend(fontsize=7, loc="lower left")
-    ax.set_title(f"goodput.py, preset {report['args'].get('preset')}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
 
 
 def dry_run(args: argparse.Namespace) -> str:

@@ -63,8 +63,9 @@ from typing import Any
 
 from chunking import SCHEDULER_CLS, build_schedule
 from common.metrics import metrics_text
-from goodput import MAX_MODEL_LEN, Arrival, Result, drive, pct
+from goodput import MAX_MODEL_LEN
 from goodput import workload as mixed_workload
+from goodputbench.client import Arrival, Result, drive, pct
 from noregretbench.verdict import BASELINES, markdown, plot, verdict
 from prometheus_client.parser import text_string_to_metric_families
 

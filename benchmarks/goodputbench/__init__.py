@@ -1,0 +1,1 @@
+"""Parts of benchmarks/goodput.py."""
