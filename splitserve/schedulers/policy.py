@@ -23,11 +23,14 @@ How it decides (see docs/scheduler.md):
   their target, at the price of every prompt's prefill rate under decode load (TTFT);
 - increases are smoothed (``increase_smoothing``), decreases apply at once;
 - with ``share_prefill`` (opt-in) the budget is shared max-min fairly among the pending
-  prompts: the step's per-prompt cap (:func:`share_cap`) lets every prompt shorter than the fair
-  share finish its prefill in the step and splits the rest evenly among the longer ones, so a
-  40-token chat arriving behind a 4,000-token document is not held for the document's whole
-  prefill (first come, first served gives the document the whole budget, step after step).
-  The step's cost is predicted for that allocation.
+  prompts when that beats first come, first served on their mean time to finish
+  (:func:`sharing_pays`: a short prompt behind a much longer one): the step's per-prompt cap
+  (:func:`share_cap`) lets every prompt shorter than the fair share finish its prefill in the
+  step and splits the rest evenly among the longer ones, so a 40-token chat arriving behind a
+  4,000-token document is not held for the document's whole prefill (first come, first served
+  gives the document the whole budget, step after step); prompts of like length, or in
+  shortest-first order, keep the engine's order. The step's cost is predicted for that
+  allocation.
 
 Invariants: ``budget <= max_chunk`` (and ``budget >= min_chunk`` when that was set); with decodes
 running the budget is a multiple of ``alignment`` (with ``floor_below_block``, when one block
@@ -38,6 +41,7 @@ gets a larger budget.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -291,6 +295,8 @@ class BudgetPolicy:
         if not self.settings.share_prefill or len(state.prefills) < 2:
             return 0
         remaining = [p.remaining_tokens for p in state.prefills[:_MAX_PREFILLS_CONSIDERED]]
+        if not sharing_pays(remaining):
+            return 0
         return share_cap(remaining, budget, self.bounds.alignment)
 
     def observe(self, executed: StepFeatures, measured_s: float) -> Observation:
@@ -334,6 +340,27 @@ class BudgetPolicy:
             budget = max(budget, floor)
         self._previous_budget = budget
         return budget
+
+
+def sharing_pays(remaining: Sequence[int]) -> bool:
+    """Whether sharing the budget beats first come, first served for prompts with ``remaining``
+    tokens to prefill, in the engine's order: their mean time to finish, fluid (every step's
+    budget spent in full; the budget cancels out), is lower under processor sharing (each step
+    split max-min fairly) than in order.
+
+    Sharing pays when a short prompt waits behind a much longer one (two prompts: when the first
+    is over twice as long as the second). Among prompts of like length, or shortest first, it
+    only delays them: two equal prompts finish at 2T each shared, at T and 2T in order."""
+    pending = [r for r in remaining if r > 0]
+    if len(pending) < 2:
+        return False
+    in_order = sum(itertools.accumulate(pending))
+    shared = finish = previous = 0
+    for i, r in enumerate(sorted(pending)):
+        finish += (r - previous) * (len(pending) - i)  # the rest share the budget until r
+        previous = r
+        shared += finish
+    return shared < in_order
 
 
 def share_cap(remaining: Sequence[int], budget: int, alignment: int = 1) -> int:

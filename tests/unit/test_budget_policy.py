@@ -344,6 +344,50 @@ def test_a_chat_behind_a_document_gets_its_prefill_in_the_same_step() -> None:
 def test_one_prompt_or_sharing_off_means_no_cap() -> None:
     state = StepState([500] * 4, [PendingPrefill(4000)])
     assert make_policy(share_prefill=True).decide(state).prompt_cap == 0
-    two = StepState([500] * 4, [PendingPrefill(4000), PendingPrefill(4000)])
+    two = StepState([500] * 4, [PendingPrefill(4000), PendingPrefill(400)])
     assert make_policy().decide(two).prompt_cap == 0  # off by default
     assert make_policy(share_prefill=True).decide(two).prompt_cap > 0
+
+
+@pytest.mark.parametrize(
+    ("remaining", "pays"),
+    [
+        ([4000, 40], True),  # a chat behind a document
+        ([40, 4000], False),  # shortest first already
+        ([4000, 4000], False),  # equal: shared, both finish at 2T; in order, at T and 2T
+        ([500, 300], False),  # the first is less than twice the second
+        ([500, 240], True),  # ... more than twice
+        ([3000, 200, 3000, 200], True),
+        ([200, 200, 3000, 3000], False),
+        ([4000, 0], False),  # one prompt left
+        ([4000], False),
+    ],
+)
+def test_sharing_only_where_it_beats_the_engines_order(remaining, pays) -> None:
+    from splitserve.schedulers.policy import sharing_pays
+
+    assert sharing_pays(remaining) is pays
+    state = StepState([500] * 4, [PendingPrefill(r) for r in remaining if r > 0])
+    decision = make_policy(share_prefill=True, target_itl_ms=500.0).decide(state)
+    assert (decision.prompt_cap > 0) is (pays and sum(remaining) > decision.prefill_budget)
+
+
+def test_sharing_pays_matches_a_step_by_step_simulation() -> None:
+    """The fluid formula against a simulation of the two orders, one token per step."""
+    import itertools
+    import random
+
+    from splitserve.schedulers.policy import sharing_pays
+
+    rng = random.Random(3)
+    for _ in range(200):
+        remaining = [rng.randint(1, 60) for _ in range(rng.randint(2, 5))]
+        in_order = sum(itertools.accumulate(remaining))
+        left, t, shared = sorted(remaining), 0.0, 0.0
+        while left:  # processor sharing: the smallest finishes first, all progress together
+            step = left[0]
+            t += step * len(left)
+            left = [r - step for r in left[1:]]
+            shared += t * (1 + sum(1 for r in left if r == 0))
+            left = [r for r in left if r > 0]
+        assert sharing_pays(remaining) is (shared < in_order)
