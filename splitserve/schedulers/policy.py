@@ -115,6 +115,12 @@ class BudgetPolicySettings(BaseModel):
         description="split the prefill budget max-min fairly among pending prompts (short "
         "ones finish, long ones share the rest) instead of first come, first served",
     )
+    share_always: bool = Field(
+        False,
+        description="with share_prefill: share on every step with several prompts, also where "
+        "first come, first served finishes them sooner on average (prompts of like length, "
+        "shortest first); default: only where sharing pays",
+    )
     metrics_port: int | None = Field(
         None,
         ge=0,
@@ -295,7 +301,7 @@ class BudgetPolicy:
         if not self.settings.share_prefill or len(state.prefills) < 2:
             return 0
         remaining = [p.remaining_tokens for p in state.prefills[:_MAX_PREFILLS_CONSIDERED]]
-        if not sharing_pays(remaining):
+        if not self.settings.share_always and not sharing_pays(remaining):
             return 0
         return share_cap(remaining, budget, self.bounds.alignment)
 

@@ -9,8 +9,10 @@ enough that 128 tokens beside a few decodes "fit"), so the budget is exactly the
 on steps without decodes and the floor (one 128-token block: no chunk fits such a target alone)
 on steps with decodes: whether it moved is then a fact of the workload, not of timing. The two
 long prompts arrive together while the short ones decode, so those one-block budgets are shared
-between them (64 tokens each, several prompts' chunks per step): vLLM ran the policy's
-per-prompt cap. The reference is the shared default-scheduler server (key ``unified``).
+between them (64 tokens each, several prompts' chunks per step; ``share_always``, since their
+arrival order is not the test's to choose and sharing otherwise applies only to a short prompt
+behind a long one): vLLM ran the policy's per-prompt cap. The reference is the shared
+default-scheduler server (key ``unified``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ def _prompts() -> list[list[int]]:
 def adaptive_and_default(servers, tiny_model, tmp_path_factory):
     prometheus_dir = tmp_path_factory.mktemp("prometheus-multiproc")
     settings = {
-        "splitserve_scheduler": {"target_itl_ms": 0.001, "log_interval_s": 5, "share_prefill": True}
+        "splitserve_scheduler": {
+            "target_itl_ms": 0.001,
+            "log_interval_s": 5,
+            "share_prefill": True,
+            "share_always": True,  # the two long prompts are alike: shared in either order
+        }
     }
     adaptive = servers.vllm(
         "adaptive-scheduler",

@@ -370,6 +370,10 @@ def test_sharing_only_where_it_beats_the_engines_order(remaining, pays) -> None:
     state = StepState([500] * 4, [PendingPrefill(r) for r in remaining if r > 0])
     decision = make_policy(share_prefill=True, target_itl_ms=500.0).decide(state)
     assert (decision.prompt_cap > 0) is (pays and sum(remaining) > decision.prefill_budget)
+    always = make_policy(share_prefill=True, share_always=True, target_itl_ms=500.0)
+    decision = always.decide(state)
+    several = len([r for r in remaining if r > 0]) >= 2
+    assert (decision.prompt_cap > 0) is (several and sum(remaining) > decision.prefill_budget)
 
 
 def test_sharing_pays_matches_a_step_by_step_simulation() -> None:
