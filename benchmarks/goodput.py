@@ -58,19 +58,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
+from common.scheduler_settings import HELP as SCHEDULER_SET_HELP
+from common.scheduler_settings import parse_scheduler_sets
 from goodputbench.client import Arrival, Result, drive, pct, stream_one
 from goodputbench.contenders import CONTENDERS, Contender, order_for
 from goodputbench.report import ATTAINMENT_GOAL, capacity, markdown, merge, plot
 from goodputbench.scrape import proxy_decisions, scheduler_figures
-from pydantic import ValidationError
 
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
 from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
-from splitserve.schedulers.policy import BudgetPolicySettings
 
 logger = logging.getLogger("benchmarks.goodput")
 
@@ -395,8 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
-        help="an extra adaptive-scheduler setting for (c) and (e)'s D (repeatable; the value "
-        "is read as YAML: share_prefill=true, floor_below_block=true)",
+        help=f"(c) and (e)'s D: {SCHEDULER_SET_HELP}",
     )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help=f"a short sweep: {QUICK}")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
@@ -421,15 +419,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--slo-scale must be positive, got {args.slo_scale}")
     scale_slo(args.slo_scale)
     SCHEDULER_EXTRA.clear()
-    for item in args.scheduler_set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            ap.error(f"--scheduler-set takes KEY=VALUE, got {item!r}")
-        SCHEDULER_EXTRA[key] = yaml.safe_load(value)
     try:
-        BudgetPolicySettings(target_itl_ms=ADAPTIVE_TARGET_MS, **SCHEDULER_EXTRA)
-    except ValidationError as e:
-        ap.error(f"--scheduler-set: {e}")
+        SCHEDULER_EXTRA.update(parse_scheduler_sets(args.scheduler_set, ADAPTIVE_TARGET_MS))
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 

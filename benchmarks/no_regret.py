@@ -63,6 +63,8 @@ from typing import Any
 
 from chunking import SCHEDULER_CLS, build_schedule
 from common.metrics import metrics_text
+from common.scheduler_settings import HELP as SCHEDULER_SET_HELP
+from common.scheduler_settings import parse_scheduler_sets
 from goodput import MAX_MODEL_LEN
 from goodput import workload as mixed_workload
 from goodputbench.client import Arrival, Result, drive, pct
@@ -144,6 +146,10 @@ class Cell:
 CELLS = [Cell(m, w, t) for m in MODELS for w in WORKLOADS for t in MODELS[m].itl_ms]
 
 
+# Adaptive options beyond the defaults (--scheduler-set), recorded in the report.
+SCHEDULER_EXTRA: dict[str, Any] = {}
+
+
 def server_args(run: str) -> list[str]:
     """Engine flags of one contender's server (``run``: a baseline or ``adaptive-<target>ms``)."""
     base = ["--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill"]
@@ -154,7 +160,7 @@ def server_args(run: str) -> list[str]:
     if run == "lpt-256":
         return [*base, "--long-prefill-token-threshold", "256"]
     target = float(run.removeprefix("adaptive-").removesuffix("ms"))
-    settings = {"splitserve_scheduler": {"target_itl_ms": target}}
+    settings = {"splitserve_scheduler": {"target_itl_ms": target, **SCHEDULER_EXTRA}}
     return [*base, "--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
 
 
@@ -346,6 +352,7 @@ def run(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
         "definition": definition(scale),
         "args": _jsonable(vars(args)),
         "time_scale": scale,
+        "scheduler_settings": dict(SCHEDULER_EXTRA),
         "runs": {},
     }
     models: dict[str, Path] = {}
@@ -471,7 +478,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--replace", action="store_true", help="--from-json: a later report's run replaces"
     )
     ap.add_argument("--plot", type=Path, help="PNG: each cell's goodputs over its best fixed one")
+    ap.add_argument("--scheduler-set", action="append", default=[], metavar="KEY=VALUE",
+                    help=SCHEDULER_SET_HELP)  # fmt: skip
     args = ap.parse_args(argv)
+    SCHEDULER_EXTRA.clear()
+    try:
+        SCHEDULER_EXTRA.update(parse_scheduler_sets(args.scheduler_set))
+    except ValueError as e:
+        ap.error(str(e))
     by_name = {c.name: c for c in CELLS}
     names = [x for x in args.cells.split(",") if x] or (
         list(QUICK_CELLS) if args.quick else list(by_name)
@@ -493,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         _show(report, args.plot)
         return 0
     print(dry_run(cells, args.quick, args.duration, args.seed, args.only), flush=True)
+    if SCHEDULER_EXTRA:
+        print(f"adaptive scheduler settings beyond its defaults: {SCHEDULER_EXTRA}", flush=True)
     if args.dry_run:
         return 0
     report = run(args, cells)

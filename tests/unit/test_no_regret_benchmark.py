@@ -225,3 +225,17 @@ def test_only_adaptive_or_baselines_and_a_merge_that_replaces(nr) -> None:
     merged = nr.merge([first, later], replace_runs=True)
     assert merged["runs"] == {"k": {"v": 2}, "j": {"v": 0}}
     assert merged["args"]["replaced"] == ["k"]
+
+
+def test_scheduler_set_reaches_only_the_adaptive_runs(nr) -> None:
+    try:
+        nr.parse_args(["--scheduler-set", "share_prefill=true", "--cells", "mid-mixed-400"])
+        adaptive = " ".join(nr.server_args("adaptive-384ms"))
+        assert '"share_prefill": true' in adaptive and '"target_itl_ms": 384.0' in adaptive
+        assert "share_prefill" not in " ".join(nr.server_args("lpt-256"))
+        for bad in ("share_prefill", "no_such_setting=1", "share_prefill=[1, 2]"):
+            with pytest.raises(SystemExit):
+                nr.parse_args(["--scheduler-set", bad])
+    finally:
+        nr.parse_args([])
+    assert "share_prefill" not in " ".join(nr.server_args("adaptive-384ms"))
