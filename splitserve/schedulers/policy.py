@@ -313,16 +313,18 @@ class BudgetPolicy:
         """The smallest budget of this step: ``min_chunk`` when it was set; else the largest
         aligned chunk up to it whose step alone (no decodes) is predicted within ``limit_s``,
         at least one block; with ``floor_below_block``, when not even one block fits alone, the
-        largest multiple of ``SUB_BLOCK_TOKENS`` below the block that does, at least one. It
-        does not depend on the decodes, so a heavier decode load still never gets a larger
-        budget."""
+        largest multiple of ``SUB_BLOCK_TOKENS`` below the block that does, at least one. The
+        step is predicted as it would run (shared among prompts when :meth:`_cap` shares it: a
+        chat's chunk beside a deep document costs less than the document's own). It does not
+        depend on the decodes, so a heavier decode load still never gets a larger budget."""
         align = self.bounds.alignment
         top = self.bounds.min_chunk // align
         if not self.bounds.floor_from_target:
             return top * align
 
-        def alone_fits(tokens: int) -> bool:
-            return self.model.predict_s(plan_features(state, tokens, 0, 0)) <= limit_s
+        def alone_fits(tokens: int) -> bool:  # the step as it would run: shared, if it is
+            cap = self._cap(state, tokens)
+            return self.model.predict_s(plan_features(state, tokens, 0, 0, cap)) <= limit_s
 
         if alone_fits(align):
             return _largest(lambda u: alone_fits(u * align), 1, top) * align

@@ -174,6 +174,21 @@ def test_default_floor_is_what_fits_the_target_alone() -> None:
     assert cheap._floor_tokens(StepState([300], [PendingPrefill(3000)]), 1.0) == 256
 
 
+def test_the_floor_is_predicted_for_the_step_as_it_runs_shared() -> None:
+    """A deep document first and a chat behind it: shared, half of each step is the chat's
+    cheap chunk, so more tokens fit the target than in the document's own step (attention at
+    depth 3,000: 0.88 ms per 1k pairs, as fitted on the mid model)."""
+    prior = StepModelPrior(
+        intercept_ms=19.0, ms_per_1k_tokens=900.0, ms_per_100_sequences=1e-6, ms_per_1m_pairs=880.0
+    )
+    settings = {"target_itl_ms": 150.0, "safety_sigmas": 0.0, "step_model": {"prior": prior}}
+    state = StepState([300], [PendingPrefill(1000, 3000), PendingPrefill(100)])
+    in_order = make_policy(**settings, floor_below_block=True)
+    shared = make_policy(**settings, floor_below_block=True, share_prefill=True)
+    assert in_order._floor_tokens(state, 0.150) == 32
+    assert shared._floor_tokens(state, 0.150) == 48
+
+
 def test_a_min_chunk_that_was_set_is_kept() -> None:
     policy = cpu_like_policy(min_chunk=256)
     assert not policy.bounds.floor_from_target
