@@ -20,10 +20,10 @@ from splitserve.launch.deployment import (
     DeploymentRunner,
     PortInUseError,
     ensure_model,
-    local_host,
     plan_servers,
     proxy_port,
 )
+from splitserve.launch.hosts import local_host
 from splitserve.launch.process import ProcessStartError
 from splitserve.launch.secrets import DeploymentSecrets
 

@@ -7,7 +7,7 @@ serving, a child that dies is restarted under the deployment's restart policy
 (``splitserve.launch.supervisor``) while the rest keep serving; a signal, or the policy giving
 up, stops everything. No child outlives ``up``. A deployment placed on hosts
 (``PoolSettings.hosts``) is run by one ``up`` per host, each starting its host's share
-(``local_host``; docs/deployment.md, "Across hosts").
+(``hosts.local_host``; docs/deployment.md, "Across hosts").
 
 The engine command lines come from ``splitserve.launch.engines`` (no engine import here), so
 ``describe`` can print exactly what ``up`` runs, for users porting it to their orchestrator.
@@ -15,8 +15,6 @@ The engine command lines come from ``splitserve.launch.engines`` (no engine impo
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -29,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import yaml
 from pydantic import SecretStr
 
@@ -231,56 +228,6 @@ def plan_servers(
     return planned
 
 
-def local_addresses() -> set[str]:
-    """The IP addresses of this machine's interfaces (of the calling network namespace)."""
-    found = set()
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            with contextlib.suppress(ValueError):
-                found.add(str(ipaddress.ip_address(a.address.split("%", 1)[0])))
-    return found
-
-
-def local_host(dep: Deployment, requested: str | None = None) -> str | None:
-    """The host whose share of ``dep`` this ``up`` runs: ``requested`` (``--host``), else the
-    one of the deployment's hosts that is an address of this machine; None when the deployment
-    is not placed on hosts (everything on loopback). Raises ``DeploymentError`` saying why
-    when there is no one answer."""
-    hosts = dep.host_addresses()
-    if not dep.placed:
-        if requested is not None:
-            raise DeploymentError(
-                f"--host {requested}: this deployment places nothing on hosts (prefill.hosts, "
-                "decode.hosts, proxy.host); start it without --host"
-            )
-        return None
-    if requested is not None:
-        try:
-            wanted = str(ipaddress.ip_address(requested))
-        except ValueError:
-            raise DeploymentError(f"--host: {requested!r} is not an IP address") from None
-        for h in hosts:
-            if str(ipaddress.ip_address(h)) == wanted:
-                return h
-        raise DeploymentError(
-            f"--host {requested}: nothing of this deployment is placed there; its hosts: "
-            + ", ".join(hosts)
-        )
-    mine = local_addresses()
-    matches = [h for h in hosts if str(ipaddress.ip_address(h)) in mine]
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise DeploymentError(
-            f"none of this deployment's hosts ({', '.join(hosts)}) is an address of this "
-            f"machine ({', '.join(sorted(mine)) or 'none'}); give --host ADDR"
-        )
-    raise DeploymentError(
-        f"several of this deployment's hosts are addresses of this machine "
-        f"({', '.join(matches)}): give --host ADDR, one `up` per host"
-    )
-
-
 def lmcache_tier_here(dep: Deployment, planned: list[PlannedServer]) -> LMCacheRemote | None:
     """LMCache's shared tier when this ``up`` starts it: asked for, and a P server among
     ``planned`` (the servers this ``up`` runs)."""
@@ -364,7 +311,7 @@ class DeploymentRunner:
         self, dep: Deployment, echo: Callable[[str], None] = print, host: str | None = None
     ) -> None:
         """``host``: the host whose servers (and proxy) this runner starts, for a deployment
-        placed on hosts (``local_host``); None: all of it, on loopback."""
+        placed on hosts (``hosts.local_host``); None: all of it, on loopback."""
         self.dep = dep
         self.echo = echo
         self.run_dir = dep.resolved_run_dir()

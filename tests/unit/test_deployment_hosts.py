@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from splitserve.cli import cli
 from splitserve.config import DeploymentError, parse_deployment, proxy_config_for
-from splitserve.launch import deployment as deploy
-from splitserve.launch.deployment import DeploymentRunner, local_host, plan_servers
+from splitserve.launch import hosts
+from splitserve.launch.deployment import DeploymentRunner, plan_servers
+from splitserve.launch.hosts import local_host
 from splitserve.launch.secrets import DeploymentSecrets
 
 P, D, X = "10.9.0.2", "10.9.0.3", "10.9.0.4"
@@ -117,18 +118,18 @@ def test_local_host_from_flag_or_interfaces(monkeypatch) -> None:
         local_host(dep, "10.9.0.99")
     with pytest.raises(DeploymentError, match="not an IP address"):
         local_host(dep, "d-host")
-    monkeypatch.setattr(deploy, "local_addresses", lambda: {"127.0.0.1", D})
+    monkeypatch.setattr(hosts, "local_addresses", lambda: {"127.0.0.1", D})
     assert local_host(dep) == D
-    monkeypatch.setattr(deploy, "local_addresses", lambda: {"127.0.0.1"})
+    monkeypatch.setattr(hosts, "local_addresses", lambda: {"127.0.0.1"})
     with pytest.raises(DeploymentError, match="give --host ADDR"):
         local_host(dep)
-    monkeypatch.setattr(deploy, "local_addresses", lambda: {P, D})
+    monkeypatch.setattr(hosts, "local_addresses", lambda: {P, D})
     with pytest.raises(DeploymentError, match="several"):
         local_host(dep)
 
 
 def test_local_addresses_include_loopback() -> None:
-    assert "127.0.0.1" in deploy.local_addresses()
+    assert "127.0.0.1" in hosts.local_addresses()
 
 
 def test_runner_holds_its_hosts_share(tmp_path) -> None:

@@ -63,7 +63,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from splitserve.connectors.vllm.config import ConnectorConfigError, SplitserveConnectorConfig
 from splitserve.connectors.vllm.metadata import (
@@ -72,12 +72,8 @@ from splitserve.connectors.vllm.metadata import (
 )
 from splitserve.connectors.vllm.ranks import Ranks
 from splitserve.connectors.vllm.shares import Shares
-from splitserve.connectors.vllm.stats import (
-    COUNTERS,
-    HANDOFF,
-    TAIL,
-    SplitserveKVConnectorStats,
-)
+from splitserve.connectors.vllm.stats import SplitserveKVConnectorStats
+from splitserve.connectors.vllm.worker_stats import StatDeltas
 from splitserve.transfer import strategy
 from splitserve.transfer.agent import KVAgent
 from splitserve.transfer.layer_poster import LayerPoster, cuda_device
@@ -162,7 +158,7 @@ class SplitserveWorker:
         self._idle_released: set[str] = set()  # sender ids the idle drive released
         self._idle_stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
-        self._last_counts: dict[str, int] = {}
+        self._stat_deltas = StatDeltas()  # what ``stats`` exported last
         self.shares = Shares(self.ranks, config.decode_tp_size)  # each request's, this rank
 
     # -- start-up -----------------------------------------------------------------------------
@@ -454,48 +450,7 @@ class SplitserveWorker:
         if self.sender is None or self.receiver is None or self.channel is None:
             return None
         with self._lock:  # the idle drive may be counting
-            return self._stats()
-
-    def _stats(self) -> SplitserveKVConnectorStats | None:
-        assert self.sender is not None and self.receiver is not None and self.channel is not None
-        s, r = self.sender.stats, self.receiver.stats
-        totals: dict[str, Any] = {
-            "bytes_sent": s.bytes_sent,
-            "writes_posted": s.writes_posted,
-            "transfers_completed": s.transfers_completed,
-            "transfers_failed": s.transfers_failed,
-            "transfers_aborted": s.transfers_aborted,
-            "lease_expiries": s.lease_expiries,
-            "registrations_received": s.registrations_received,
-            "registrations_rejected": s.registrations_rejected,
-            "messages_rejected": self.channel.rejected + r.messages_rejected,
-            "loads_completed": r.transfers_completed,
-            "loads_failed": r.transfers_failed,
-            "done_timeouts": r.done_timeouts,
-            "post_seconds": s.post_seconds + r.post_seconds,
-            "announces_sent": s.announces_sent,
-            "reads_posted": r.reads_posted,
-            "bytes_read": r.bytes_read,
-            "first_tokens_relayed": self.channel.relayed,
-            "loads_completed_on_first_token": r.completed_on_first_token,
-            "layers_posted_in_forward": s.layers_posted_in_forward,
-            "layers_posted_at_step_end": s.layers_posted_at_step_end,
-            "transfers_stalled": s.transfers_stalled,
-            "reads_cancelled": r.reads_cancelled,
-            "peers_dropped": sum(
-                n for kind, n in self.channel.stats.dropped_peers.items() if kind != "idle"
-            ),
-        }
-        data: dict[str, Any] = {}
-        for name in COUNTERS:
-            data[name] = totals[name] - self._last_counts.get(name, 0)
-            self._last_counts[name] = totals[name]
-        data[HANDOFF] = list(r.handoffs_s)
-        r.handoffs_s.clear()
-        data[TAIL] = list(s.forward_tails_s)
-        s.forward_tails_s.clear()
-        stats = SplitserveKVConnectorStats(data=data)
-        return None if stats.is_empty() else stats
+            return self._stat_deltas(self.sender, self.receiver, self.channel)
 
     def shutdown(self) -> None:
         self._idle_stop.set()

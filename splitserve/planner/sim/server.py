@@ -27,6 +27,12 @@ The request record a server schedules (``Req``) is in ``request.py``, shared wit
 (``engine.py``); the pool roles (``PREFILL``, ...) are in ``fleet.py``. This module is only the
 scheduler of one engine.
 
+Why one module of over 500 lines: it is one class, the scheduler of one engine, whose step
+(``start_step``, ``end_step``) is the simulator's hot loop, written inline; its parts (budget,
+preemption, admission, steps without chunked prefill, the decode gaps) all read and write the
+same per-step state, and what stands apart is already split off (``request.py``, ``fleet.py``,
+``steptime.py``, ``metrics.py``).
+
 Invariants (tests/unit/test_sim_engine.py): ``kv_used`` never exceeds ``kv_cap``; between
 steps ``kv_used`` equals the decodes' contexts plus the prompts' computed tokens plus the KV
 held for handoffs (``held_tokens``).

@@ -19,7 +19,8 @@ from typing import Protocol
 
 
 class Connection(Protocol):
-    """The side of a client connection a streamed answer writes to (``server._Connection``)."""
+    """The side of a client connection a streamed answer writes to
+    (``server_connection.ServerConnection``)."""
 
     closing: bool
     keep_alive: bool
