@@ -45,7 +45,8 @@ if str(HERE.parent) not in sys.path:  # run from a checkout without the package 
     sys.path.insert(1, str(HERE.parent))
 
 from gpuproof import steps  # noqa: E402
-from gpuproof.transfer import Setup, run_receiver, run_sender, summarize  # noqa: E402
+from gpuproof.sender import run_sender  # noqa: E402
+from gpuproof.transfer import Setup, run_receiver, summarize  # noqa: E402
 
 logger = logging.getLogger("gpu_proof")
 

@@ -57,8 +57,8 @@ compared within their round: each SGLang contender's requests alternate with req
 requests are summarized apart, as ``sglang-colocated/<contender>`` (``sglang_rounds``): a
 colocated request measured beside another pair (SGLang's ``nixl``, whose progress thread spins a
 core) is not the reference of ours. A second targets table gives issue #25's per SGLang
-contender against its round (``handoff_sglang.targets``): TTFT at most 1.1x colocated, and our
-exposed handoff within the same bound as the vLLM path's.
+contender against its round (``handoffbench.sglang_targets.targets``): TTFT at most 1.1x
+colocated, and our exposed handoff within the same bound as the vLLM path's.
 
 Dispatch goes through ``splitserve.proxy.dispatch`` like the proxy. Output: a JSON file, a
 markdown table on stdout and, when matplotlib is importable, a PNG next to the JSON.

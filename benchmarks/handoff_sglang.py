@@ -60,23 +60,26 @@ import importlib.util
 import json
 import os
 import random
-import re
 import shutil
-import statistics
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
+# One request (handoffbench/sglang_client.py) and the rows' summary and targets
+# (handoffbench/sglang_targets.py); the aliased names are re-exported: handoff.py and the tests
+# read them here.
+from handoffbench.sglang_client import _body, _colocated, _pd
+from handoffbench.sglang_client import _gaps as _gaps
+from handoffbench.sglang_targets import TTFT_TARGET as TTFT_TARGET
+from handoffbench.sglang_targets import relative_to_colocated as relative_to_colocated
+from handoffbench.sglang_targets import targets as targets
+from handoffbench.sglang_targets import targets_markdown as targets_markdown
+
 from splitserve.launch.group import ServerGroup
-from splitserve.models import resolve_spec
 from splitserve.netutil import free_ports
 from splitserve.transfer.auth import write_key_file
 
 START_TIMEOUT = 900.0
-TTFT_TARGET = 1.10  # issue #25: the pair's TTFT at most 1.1x a colocated server's (same round)
 CHUNK = 2048  # as the vLLM rows' --max-num-batched-tokens
 NIXL_SPINNER_NICE = 10
 PLACEMENTS = ("cores", "shared")
@@ -171,50 +174,6 @@ def _mooncake_works() -> bool:
     return True
 
 
-def _stream(url: str, body: dict) -> list[float]:
-    """perf_counter times of the streamed chunks of SGLang's native /generate."""
-    request = urllib.request.Request(
-        url + "/generate",
-        json.dumps(body | {"stream": True}).encode(),
-        {"Content-Type": "application/json"},
-    )
-    times = []
-    with urllib.request.urlopen(request, timeout=900) as response:
-        for line in response:
-            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
-                times.append(time.perf_counter())
-    return times
-
-
-def _post(url: str, body: dict) -> None:
-    request = urllib.request.Request(
-        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=900) as response:
-        response.read()
-
-
-def _body(length: int, rng: random.Random) -> dict:
-    prompt = [rng.randrange(5, 1000) for _ in range(length)]
-    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
-    return {"input_ids": prompt, "sampling_params": params}
-
-
-def _colocated(url: str, body: dict) -> dict:
-    start = time.perf_counter()
-    times = _stream(url, body)
-    return {"ttft_s": times[0] - start} | _gaps(times)
-
-
-def _gaps(times: list[float]) -> dict:
-    """First -> second and (when the stream had a third chunk: SGLang may send the last two
-    tokens in one) second -> third streamed token."""
-    gaps = {"gap_s": times[1] - times[0]}
-    if len(times) > 2:
-        gaps["gap2_s"] = times[2] - times[1]
-    return gaps
-
-
 def placement() -> str:
     """``SPLITSERVE_SGLANG_BENCH_PLACEMENT`` (``cores`` unless set; see the module docstring)."""
     value = os.environ.get("SPLITSERVE_SGLANG_BENCH_PLACEMENT", "cores").strip() or "cores"
@@ -228,48 +187,6 @@ def placement() -> str:
 def pinned_env(env: dict, cpus: list[int] | None) -> dict:
     """``env`` for a server on ``cpus``: one OpenMP thread per core (torch's compute threads)."""
     return env if cpus is None else env | {"OMP_NUM_THREADS": str(len(cpus))}
-
-
-def _pd(pair: dict, body: dict, log: Path | None) -> dict:
-    bootstrap_room = random.randrange(2**62)
-    body = body | {
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": pair["bootstrap"],
-        "bootstrap_room": bootstrap_room,
-    }
-    errors: list[BaseException] = []
-
-    def prefill() -> None:
-        try:
-            _post(pair["p"], body)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=prefill)
-    send_wall, start = time.time(), time.perf_counter()
-    thread.start()
-    times = _stream(pair["d"], body)
-    thread.join(900)
-    if errors:
-        raise errors[0]
-    out = {
-        "ttft_s": times[0] - start,
-        **_gaps(times),
-        "room": str(bootstrap_room),
-        "send_wall": send_wall,
-        "first_wall": send_wall + (times[0] - start),
-    }
-    if log is not None:
-        # The backend's transfer id is str(bootstrap_room) (splitserve.connectors.sglang.conn).
-        pattern = rf"transfer {bootstrap_room} received, exposed handoff ([0-9.e+-]+) s"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the log line may trail the stream by a flush
-            found = re.findall(pattern, log.read_text(errors="replace"))
-            if found:
-                out["exposed_s"] = float(found[-1])
-                break
-            time.sleep(0.1)
-    return out
 
 
 def _server(model: Path, port: int, max_tokens: int, env: dict, **kw):
@@ -397,92 +314,3 @@ def rows_for(args, work: Path, model: Path, rng: random.Random) -> list[dict]:
             logs_to=Path(args.out).with_name(f"{Path(args.out).stem}-sglang-logs") / transport,
         )
     return rows
-
-
-def relative_to_colocated(summary: list[dict]) -> list[dict]:
-    """SGLang rows compared with ``sglang-colocated`` (not with vLLM's ``colocated``)."""
-    ref = {
-        (e["transport"], e["length"]): e for e in summary if e["contender"] == "sglang-colocated"
-    }
-    for e in summary:
-        base = ref.get((e["transport"], e["length"]))
-        if not e["contender"].startswith("sglang-") or base is None or e is base:
-            continue
-        e["ttft_vs_colocated"] = e["ttft_s"] / base["ttft_s"] - 1.0
-        if "gap_s" in e and "gap_s" in base:
-            e["gap_beyond_colocated_s"] = e["gap_s"] - base["gap_s"]
-    return summary
-
-
-def targets(
-    summary: list[dict], links: dict[str, dict], rows: list[dict], model: str = "bench"
-) -> list[dict]:
-    """Issue #25's targets per SGLang contender, transport and length, each contender against
-    the colocated requests of its own round (``summary`` and ``rows`` as ``benchmarks/handoff.py``
-    renames them: ``sglang-colocated/<contender>``): median TTFT at most ``TTFT_TARGET`` x the
-    round's colocated median, and (where the contender logs it: ours) the exposed handoff within
-    the vLLM path's bound, bulk transfer / layers + 2 ms over the run's measured link. With the
-    decode steps beside them: token 1 -> 2 and 2 -> 3 (``gap2_s``), colocated and the pair's."""
-    spec = resolve_spec(model)
-    per_token = spec.kv_bytes_per_token()
-    by = {(e["transport"], e["contender"], e["length"]): e for e in summary}
-    gap2: dict[tuple, list[float]] = {}
-    for r in rows:
-        if "gap2_s" in r:
-            gap2.setdefault((r["transport"], r["contender"], r["length"]), []).append(r["gap2_s"])
-    out = []
-    for e in summary:
-        name, transport, length = e["contender"], e["transport"], e["length"]
-        if not name.startswith("sglang-") or name.startswith("sglang-colocated"):
-            continue
-        base_name = f"sglang-colocated/{name}"
-        base = by.get((transport, base_name, length))
-        if base is None:
-            continue
-        ratio = e["ttft_s"] / base["ttft_s"]
-        row: dict = {
-            "transport": transport,
-            "contender": name,
-            "length": length,
-            "colocated_ttft_s": base["ttft_s"],
-            "ttft_s": e["ttft_s"],
-            "ttft_ratio": ratio,
-            "ttft_ok": ratio <= TTFT_TARGET,
-        }
-        for key, who in (("colocated", base_name), ("pair", name)):
-            if "gap_s" in by.get((transport, who, length), {}):
-                row[f"{key}_gap_s"] = by[(transport, who, length)]["gap_s"]
-            if gap2.get((transport, who, length)):
-                row[f"{key}_gap2_s"] = statistics.median(gap2[(transport, who, length)])
-        link = links.get(transport)
-        if link and "exposed_s" in e:
-            bulk = link["fixed_s"] + length * per_token / link["bytes_per_s"]
-            row["bound_s"] = bulk / spec.num_layers + 0.002
-            row["exposed_s"] = e["exposed_s"]
-            row["exposed_ok"] = e["exposed_s"] <= row["bound_s"]
-        out.append(row)
-    return out
-
-
-def targets_markdown(rows: list[dict]) -> str:
-    """``targets`` as a markdown table."""
-    lines = [
-        "| transport | contender | prompt | colocated TTFT s (its round) | TTFT s | ratio | "
-        f"<= {TTFT_TARGET:.1f}x | exposed ms | bound: bulk/layers + 2 ms | met | "
-        "token 1 -> 2 ms, colocated / pair | token 2 -> 3 ms, colocated / pair |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def ms(r: dict, key: str) -> str:
-        return f"{1e3 * r[key]:.1f}" if key in r else "-"
-
-    for r in rows:
-        ok = ("yes" if r["exposed_ok"] else "no") if "exposed_ok" in r else "-"
-        lines.append(
-            f"| {r['transport']} | {r['contender']} | {r['length']} | "
-            f"{r['colocated_ttft_s']:.2f} | {r['ttft_s']:.2f} | {r['ttft_ratio']:.2f}x | "
-            f"{'yes' if r['ttft_ok'] else 'no'} | {ms(r, 'exposed_s')} | {ms(r, 'bound_s')} | "
-            f"{ok} | {ms(r, 'colocated_gap_s')} / {ms(r, 'pair_gap_s')} | "
-            f"{ms(r, 'colocated_gap2_s')} / {ms(r, 'pair_gap2_s')} |"
-        )
-    return "\n".join(lines)

@@ -34,6 +34,10 @@ the same arithmetic its transfer is the bulk time ``a + L s / B``; ``bound`` is 
 prediction over it: the ratio of our exposed transfer to stock's that no connector moving the
 same bytes over the same link beats (far below the crossover it tends to
 ``1 - (L - 1) t_c / (L t_x)``, i.e. to 1 as the link slows).
+
+This module turns a run's rows into the points, crossovers and ours against stock
+(``summarize``); the formulas for one point are ``viability_model``'s, the tables and PNG
+``viability_report``'s, both importable from here.
 """
 
 from __future__ import annotations
@@ -41,115 +45,30 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from splitserve.planner.catalog import Link
-from splitserve.planner.handoff import exposed_streaming_seconds, transfer_seconds
+# The formulas per point (viability_model) and the tables and PNG (viability_report); the
+# aliased names are re-exported: testbed.py and the tests read them here.
+from handoffbench.viability_model import (
+    OURS,
+    STOCK,
+    STOCK_RATIO,
+    TOLERANCE,
+    done_seconds,
+    layer_slice_bytes,
+    measured_crossover_bps,
+    predict,
+    predicted_crossover_bps,
+    stock_target_bps,
+    within,
+)
+from handoffbench.viability_report import markdown as markdown
+from handoffbench.viability_report import plot as plot
+from handoffbench.viability_report import verdict as verdict
 
-OURS = ("push", "pull")
-STOCK = "nixl"
-TOLERANCE = 0.25  # the issue's targets: within 25% (or 2 ms); crossover within 25%
-SLACK_S = 0.002
-STOCK_RATIO = 0.25
 MEDIANS = ("exposed_s", "after_p_s", "p_prefill_s", "handoff_s", "d_step_s", "ttft_s")
 
 
 def rate_label(rate_mbit: float | None) -> str:
     return "unshaped" if rate_mbit is None else f"{rate_mbit:g}"
-
-
-def layer_slice_bytes(length: int, kv_bytes_per_token: int, num_layers: int, block: int) -> int:
-    """One layer's share of the prompt's KV, in whole blocks (what the connector moves)."""
-    blocks = -(-length // block)
-    return blocks * block * kv_bytes_per_token // num_layers
-
-
-def predict(
-    num_layers: int,
-    slice_bytes: float,
-    goodput_bps: float,
-    fixed_s: float,
-    layer_compute_s: float,
-    tail_s: float | None = None,
-    done_s: float | None = None,
-) -> dict[str, float]:
-    """The planner's figures for one point: ``t_x``, ``t_c``, the plain exposed handoff, the
-    stock bulk transfer, and (``tail_s`` known) the exposed handoff with the tail and DONE's
-    delivery (``done_s``; default ``fixed_s``, half the round trip)."""
-    link = Link(name="testbed", bytes_per_s=goodput_bps, per_transfer_s=fixed_s)
-    t_x = transfer_seconds(slice_bytes, link)
-    out = {
-        "t_x_s": t_x,
-        "t_c_s": layer_compute_s,
-        "predicted_s": exposed_streaming_seconds(num_layers, t_x, layer_compute_s),
-        "bulk_s": transfer_seconds(num_layers * slice_bytes, link),
-    }
-    if tail_s is not None:
-        out |= {
-            "tail_s": tail_s,
-            "done_s": fixed_s if done_s is None else done_s,
-        }
-        out["predicted_tail_s"] = exposed_streaming_seconds(
-            num_layers, t_x, layer_compute_s, tail_s, out["done_s"]
-        )
-    return out
-
-
-def done_seconds(kind: str, fixed_s: float, goodput_bps: float, carrier_bytes: float) -> float:
-    """DONE's delivery after the last slice landed, by direction (module docstring)."""
-    if kind == "push":
-        return 2 * fixed_s + carrier_bytes / goodput_bps
-    return fixed_s
-
-
-def within(measured: float, predicted: float) -> bool:
-    return abs(measured - predicted) <= max(SLACK_S, TOLERANCE * predicted)
-
-
-def stock_target_bps(
-    slice_bytes: float, num_layers: int, t_c: float, tail_s: float, fixed_s: float
-) -> float:
-    """The slowest goodput at which our exposed transfer can be ``STOCK_RATIO`` of stock's bulk
-    one: below the crossover ours is at least ``L t_x - (L - 1) t_c - t_tail`` (the link can
-    work only while the forward runs after the first slice) against stock's ``L t_x``, so the
-    ratio is at most ``STOCK_RATIO`` only while ``t_x <= ((L - 1) t_c + t_tail) / ((1 - r) L)``
-    (DONE and ``a`` left out: microseconds to a few ms here)."""
-    t_x = ((num_layers - 1) * t_c + tail_s) / ((1 - STOCK_RATIO) * num_layers)
-    spare = t_x - fixed_s
-    return slice_bytes / spare if spare > 0 else float("inf")
-
-
-def predicted_crossover_bps(slice_bytes: float, layer_compute_s: float, fixed_s: float) -> float:
-    """The goodput at which one slice moves exactly while the next layer computes."""
-    spare = layer_compute_s - fixed_s
-    return slice_bytes / spare if spare > 0 else float("inf")
-
-
-def measured_crossover_bps(points: list[dict], num_layers: int, slice_bytes: float) -> dict:
-    """``points``: entries with ``goodput_bps``, ``exposed_s`` and ``t_x_s``. Returns
-    ``{"bps": B*|None, "how": ...}`` (module docstring)."""
-    pts = sorted(points, key=lambda p: p["goodput_bps"])
-    if not pts:
-        return {"bps": None, "how": "no points"}
-    clear = [p for p in pts if p["exposed_s"] - p["t_x_s"] > max(SLACK_S, TOLERANCE * p["t_x_s"])]
-    if not clear:
-        return {"bps": None, "how": f"hidden at every rate: below {pts[0]['goodput_bps']:.3g} B/s"}
-    xs = [1.0 / p["goodput_bps"] for p in clear]
-    es = [p["exposed_s"] - p["t_x_s"] for p in clear]
-    if len(clear) == 1:
-        slope = (num_layers - 1) * slice_bytes
-        intercept = es[0] - slope * xs[0]
-        how = "one clear point, the model's slope"
-    else:
-        mx, me = statistics.fmean(xs), statistics.fmean(es)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (e - me) for x, e in zip(xs, es, strict=True)) / sxx
-        intercept = me - slope * mx
-        how = f"line through {len(clear)} clear points"
-    if slope <= 0 or intercept >= 0:
-        return {"bps": None, "how": f"{how}: no zero crossing (slope {slope:.3g})"}
-    bps = -slope / intercept
-    if len(clear) == len(pts):
-        how += "; not hidden at any rate measured"
-    return {"bps": bps, "how": how}
 
 
 def _median(group: list[dict], key: str) -> float | None:
@@ -315,182 +234,3 @@ def vs_stock(points: list[dict]) -> list[dict]:
             row["bound"] = best / p["bulk_s"]
         out.append(row)
     return out
-
-
-# -- tables and plot ----------------------------------------------------------------------------
-
-
-def _ms(row: dict, key: str) -> str:
-    return f"{1e3 * row[key]:.1f}" if row.get(key) is not None else "-"
-
-
-def _yes(row: dict, key: str) -> str:
-    return ("yes" if row[key] else "no") if key in row else "-"
-
-
-def _gbit(bps: float | None) -> str:
-    return "-" if bps is None else ("inf" if bps == float("inf") else f"{8 * bps / 1e9:.3f}")
-
-
-def _ratio(row: dict, key: str, digits: int = 2) -> str:
-    return f"{row[key]:.{digits}f}" if key in row else "-"
-
-
-def markdown(summary: dict) -> str:
-    """Three tables: points, crossovers, ours against stock. Each prediction twice: the plain
-    formula and with the forward's tail (``-``: no tail measured)."""
-    lines = [
-        "| contender | link Mbit/s | goodput Gbit/s | prompt | P prefill ms | vs colocated | "
-        "t_c ms | t_x ms | t_tail ms | predicted ms | with tail ms | measured exposed ms | "
-        "measured/predicted | within 25% or 2 ms | measured/with tail | with tail: within | "
-        "beyond P's answer ms | stock handoff ms | stock transfer ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in summary["points"]:
-        vs = f"{100 * p['p_prefill_vs_colocated']:+.1f}%" if "p_prefill_vs_colocated" in p else "-"
-        lines.append(
-            f"| {p['kind']} | {p['rate']} | {_gbit(p.get('goodput_bps'))} | {p['length']} | "
-            f"{_ms(p, 'p_prefill_s')} | {vs} | {_ms(p, 't_c_s')} | {_ms(p, 't_x_s')} | "
-            f"{_ms(p, 'tail_s')} | {_ms(p, 'predicted_s')} | {_ms(p, 'predicted_tail_s')} | "
-            f"{_ms(p, 'exposed_s')} | {_ratio(p, 'ratio')} | {_yes(p, 'within')} | "
-            f"{_ratio(p, 'ratio_tail')} | {_yes(p, 'within_tail')} | "
-            f"{_ms(p, 'after_p_s')} | {_ms(p, 'handoff_s')} | {_ms(p, 'stock_transfer_s')} |"
-        )
-    lines += [
-        "",
-        "| direction | prompt | t_c ms | t_tail ms | predicted crossover Gbit/s | "
-        "measured Gbit/s | measured/predicted | within 25% | how measured | "
-        "ours <= 0.25x stock possible from Gbit/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in summary["crossovers"]:
-        lines.append(
-            f"| {c['kind']} | {c['length']} | {_ms(c, 't_c_s')} | {_ms(c, 'tail_s')} | "
-            f"{_gbit(c['predicted_bps'])} | {_gbit(c['measured_bps'])} | {_ratio(c, 'ratio')} | "
-            f"{_yes(c, 'within')} | {c['how']} | {_gbit(c.get('stock_target_bps'))} |"
-        )
-    lines += [
-        "",
-        "| direction | link Mbit/s | prompt | ours beyond P's answer ms | stock P answer -> D "
-        "1st token ms | ratio | <= 0.25x | ours exposed / stock transfer | arithmetic bound |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for v in summary["vs_stock"]:
-        lines.append(
-            f"| {v['kind']} | {v['rate']} | {v['length']} | {_ms(v, 'after_p_s')} | "
-            f"{_ms(v, 'stock_handoff_s')} | {_ratio(v, 'ratio', 3)} | {_yes(v, 'within')} | "
-            f"{_ratio(v, 'exposed_ratio', 3)} | {_ratio(v, 'bound', 3)} |"
-        )
-    return "\n".join(lines)
-
-
-def verdict(summary: dict) -> list[str]:
-    """One line per target: how many points hold it (the exposed target also with the tail,
-    where the run measured it)."""
-
-    def count(rows: list[dict], key: str) -> str:
-        judged = [r for r in rows if key in r]
-        return f"{sum(bool(r[key]) for r in judged)} of {len(judged)}"
-
-    out = [
-        f"exposed within 25% (or 2 ms) of predicted: {count(summary['points'], 'within')}",
-        f"crossover within 25% of predicted: {count(summary['crossovers'], 'within')}",
-        f"ours <= 0.25x stock (beyond P's answer): {count(summary['vs_stock'], 'within')}",
-    ]
-    if any("within_tail" in p for p in summary["points"]):
-        out.append(
-            "exposed within 25% (or 2 ms) of predicted with the tail: "
-            f"{count(summary['points'], 'within_tail')}"
-        )
-    return out
-
-
-def _curve(
-    summary: dict, kind: str, length: int, x: list[float], tail: bool = False
-) -> list[tuple[float, float]]:
-    """The prediction as a line over the measured goodputs' range (Gbit/s, ms), from the
-    direction's median t_c (``tail``: and median t_tail and t_done): the kink is the predicted
-    crossover."""
-    row = next((c for c in summary["crossovers"] if (c["kind"], c["length"]) == (kind, length)),
-               None)  # fmt: skip
-    if row is None or not x or (tail and "tail_s" not in row):
-        return []
-    lo, hi = min(x), max(x)
-    grid = [lo * (hi / lo) ** (i / 80) for i in range(81)] if hi > lo else [lo]
-    out = []
-    for g in grid:
-        figures = predict(
-            summary["num_layers"],
-            row["slice_bytes"],
-            g * 1e9 / 8,
-            row["fixed_s"],
-            row["t_c_s"],
-            row["tail_s"] if tail else None,
-            done_seconds(kind, row["fixed_s"], g * 1e9 / 8, row["carrier_bytes"]),
-        )
-        out.append((g, 1e3 * figures["predicted_tail_s" if tail else "predicted_s"]))
-    return out
-
-
-def plot(summary: dict, path, pyplot) -> bool:  # noqa: ANN001 - pathlib.Path, module
-    """Exposed handoff against link goodput, measured (markers) and predicted (lines), one
-    panel per prompt length, one color per direction; stock's transfer for reference."""
-    plt = pyplot()
-    if plt is None:
-        return False
-    points = [p for p in summary["points"] if "goodput_bps" in p]
-    lengths = sorted({p["length"] for p in points})
-    if not lengths:
-        return False
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
-    colors = {"push": "C0", "pull": "C1", STOCK: "C2"}
-    for ax, length in zip(axes[0], lengths, strict=True):
-        for kind in (*OURS, STOCK):
-            pts = sorted(
-                (p for p in points if p["kind"] == kind and p["length"] == length),
-                key=lambda p: p["goodput_bps"],
-            )
-            x = [8 * p["goodput_bps"] / 1e9 for p in pts]
-            if kind == STOCK:
-                y = [1e3 * p["stock_transfer_s"] for p in pts if "stock_transfer_s" in p]
-                if y and len(y) == len(x):
-                    ax.plot(x, y, "s:", color=colors[kind], label="NixlConnector transfer")
-                continue
-            measured = [
-                (xi, 1e3 * p["exposed_s"]) for xi, p in zip(x, pts, strict=True) if "exposed_s" in p
-            ]
-            predicted = _curve(summary, kind, length, x)
-            with_tail = _curve(summary, kind, length, x, tail=True)
-            if measured:
-                ax.plot(
-                    *zip(*measured, strict=True), "o", color=colors[kind], label=f"{kind} measured"
-                )
-            if predicted:
-                ax.plot(
-                    *zip(*predicted, strict=True),
-                    "-",
-                    color=colors[kind],
-                    alpha=0.6,
-                    label=f"{kind} predicted",
-                )
-            if with_tail:
-                ax.plot(
-                    *zip(*with_tail, strict=True),
-                    "--",
-                    color=colors[kind],
-                    alpha=0.8,
-                    label=f"{kind} predicted with tail",
-                )
-        for c in summary["crossovers"]:
-            if c["length"] == length and c["predicted_bps"] != float("inf"):
-                ax.axvline(8 * c["predicted_bps"] / 1e9, color=colors[c["kind"]], ls="--", lw=0.8)
-        ax.set_title(f"exposed handoff, {length}-token prompt")
-        ax.set_xlabel("link goodput, Gbit/s (log)")
-        ax.set_ylabel("ms (log)")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_ylim(bottom=0.5)  # a tail that hides the whole slice leaves only DONE's us
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path)
-    return True
