@@ -13,8 +13,8 @@ seeded mixed workload with a small streaming driver of ours, stops the server, a
 Workload: short prompts with long outputs, arriving as a seeded Poisson stream, plus a long
 prompt every ``--long-every`` seconds (fresh random token ids; prefix caching off, so no prompt
 is ever a cache hit); or, with ``--workload phased``, busy phases of shorts alternating with
-quiet phases of long prompts (``build_schedule``). Rivals: ``--max-num-batched-tokens`` 256 /
-512 / 1024 / 2048 / 4096, and
+quiet phases of long prompts (``build_schedule``, in ``chunkingbench/load.py``). Rivals:
+``--max-num-batched-tokens`` 256 / 512 / 1024 / 2048 / 4096, and
 ``--long-prefill-token-threshold`` 256 with a 4096 budget, plain and with
 ``--long-prefill-token-threshold-adaptive``. vLLM's ``prefill_schedule_interval`` applies only to
 data-parallel MoE engines (``DPEngineCoreProc``), so it has no effect on one dense-model engine and
@@ -33,16 +33,14 @@ import argparse
 import asyncio
 import json
 import logging
-import random
-import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-from common.plotting import pyplot
+from chunkingbench.load import build_schedule as build_schedule
+from chunkingbench.load import drive, warm_up
+from chunkingbench.report import markdown_table, maybe_plot, summarize, text_plot
 
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
@@ -50,24 +48,6 @@ from splitserve.models import build_model, resolve_spec
 logger = logging.getLogger("benchmarks.chunking")
 
 SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
-
-
-@dataclass
-class RequestResult:
-    kind: str  # "short" | "long"
-    sent: float
-    first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.sent
-
-    @property
-    def gaps(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
 @dataclass(frozen=True)
@@ -110,147 +90,6 @@ def configs(adaptive_target_ms: float, max_tokens: int) -> list[Config]:
 FIXED_BUDGETS = (256, 512, 1024, 2048, 4096)
 
 
-async def _stream(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, result
-) -> None:
-    body = {
-        "model": "bench",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    try:
-        async with session.post(url + "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if result.first_token is None:
-                    result.first_token = now
-                result.token_times.append(now)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        result.error = repr(exc)
-
-
-def build_schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[float, str]]:
-    """(arrival offset s, "short" | "long"), sorted.
-
-    ``poisson``: shorts as a Poisson stream over the whole window, a long prompt every
-    ``--long-every`` s. ``phased``: the load alternates, every ``--period`` s: a busy phase
-    (the first ``--busy-fraction`` of the period) of Poisson shorts with one long prompt in its
-    middle, then a quiet phase without shorts where ``--quiet-longs`` long prompts arrive
-    together ``--drain`` s after the busy phase ended (the decodes have finished by then). A
-    fixed budget must choose: small chunks protect the busy phase's streams, large ones the
-    quiet phase's long prompts."""
-    schedule: list[tuple[float, str]] = []
-    if args.workload == "poisson":
-        t = 0.0
-        while True:
-            t += rng.expovariate(args.short_rate)
-            if t >= args.duration:
-                break
-            schedule.append((t, "short"))
-        n_long = int(args.duration // args.long_every)
-        schedule += [(k * args.long_every + 0.5, "long") for k in range(n_long)]
-        return sorted(schedule)
-    busy = args.period * args.busy_fraction
-    start = 0.0
-    while start < args.duration:
-        t = start
-        while True:
-            t += rng.expovariate(args.short_rate)
-            if t >= start + busy:
-                break
-            schedule.append((t, "short"))
-        schedule.append((start + busy / 2, "long"))
-        schedule += [(start + busy + args.drain, "long")] * args.quiet_longs
-        start += args.period
-    return sorted(schedule)
-
-
-async def drive(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    """The seeded mixed workload; returns the results and the window length (s)."""
-    rng = random.Random(args.seed)
-    schedule = build_schedule(args, rng)
-
-    results: list[RequestResult] = []
-    timeout = aiohttp.ClientTimeout(total=args.duration * 20 + 600)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        tasks = []
-        start = time.perf_counter()
-        for offset, kind in schedule:
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if kind == "short":
-                prompt = [rng.randint(5, 1000) for _ in range(args.short_prompt)]
-                max_tokens = args.short_output
-            else:
-                prompt = [rng.randint(5, 1000) for _ in range(args.long_prompt)]
-                max_tokens = args.long_output
-            result = RequestResult(kind, time.perf_counter())
-            results.append(result)
-            tasks.append(asyncio.create_task(_stream(session, url, prompt, max_tokens, result)))
-        await asyncio.gather(*tasks)
-        window = time.perf_counter() - start
-    return results, window
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def summarize(results: list[RequestResult], window: float, args: argparse.Namespace) -> dict:
-    ok = [r for r in results if r.error is None and r.first_token is not None]
-    gaps = [g for r in ok for g in r.gaps]
-    short_ttft = [r.ttft for r in ok if r.kind == "short"]
-    long_ttft = [r.ttft for r in ok if r.kind == "long"]
-    tokens = sum(len(r.token_times) for r in ok)
-
-    def good(r: RequestResult) -> bool:
-        bound = args.slo_ttft_short_s if r.kind == "short" else args.slo_ttft_long_s
-        if r.ttft is None or r.ttft > bound:
-            return False
-        own = r.gaps
-        return not own or _pct(own, 99) <= args.slo_itl_ms / 1e3
-
-    return {
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "itl_p50_ms": 1e3 * (_pct(gaps, 50) or 0),
-        "itl_p99_ms": 1e3 * (_pct(gaps, 99) or 0),
-        "itl_max_ms": 1e3 * (max(gaps) if gaps else 0),
-        "ttft_short_p50_s": _pct(short_ttft, 50),
-        "ttft_short_p99_s": _pct(short_ttft, 99),
-        "ttft_long_p50_s": _pct(long_ttft, 50),
-        "ttft_long_p99_s": _pct(long_ttft, 99),
-        "throughput_tok_s": tokens / window,
-        "goodput_req_s": sum(good(r) for r in ok) / window,
-        "good_fraction": sum(good(r) for r in ok) / max(len(results), 1),
-        "window_s": window,
-        "mean_itl_ms": 1e3 * statistics.fmean(gaps) if gaps else 0,
-    }
-
-
-async def _warm_up(url: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        result = RequestResult("warmup", time.perf_counter())
-        await _stream(session, url, list(range(10, 300)), 8, result)
-        if result.error:
-            raise RuntimeError(f"warm-up request failed: {result.error}")
-
-
 def run_config(config: Config, model: Path, log_dir: Path, args: argparse.Namespace) -> dict:
     group = ServerGroup(log_dir)
     try:
@@ -261,7 +100,7 @@ def run_config(config: Config, model: Path, log_dir: Path, args: argparse.Namesp
             extra_args=[*config.args, "--no-enable-prefix-caching", *args.extra_server_arg],
         )
         group.wait(args.start_timeout)
-        asyncio.run(_warm_up(server.url))
+        asyncio.run(warm_up(server.url))
         results, window = asyncio.run(drive(server.url, args))
     finally:
         group.stop()
@@ -269,59 +108,6 @@ def run_config(config: Config, model: Path, log_dir: Path, args: argparse.Namesp
     summary["config"] = config.name
     summary["server_args"] = config.args
     return summary
-
-
-def markdown_table(rows: list[dict], best_rival: str | None) -> str:
-    head = (
-        "| config | ITL p50 ms | ITL p99 ms | ITL max ms | TTFT short p50/p99 s "
-        "| TTFT long p50/p99 s | tok/s | goodput req/s | good % |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    )
-
-    def f(v: float | None, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
-    lines = []
-    for r in rows:
-        name = r["config"] + (" (best rival)" if r["config"] == best_rival else "")
-        lines.append(
-            f"| {name} | {f(r['itl_p50_ms'], '.0f')} | {f(r['itl_p99_ms'], '.0f')} "
-            f"| {f(r['itl_max_ms'], '.0f')} "
-            f"| {f(r['ttft_short_p50_s'], '.2f')} / {f(r['ttft_short_p99_s'], '.2f')} "
-            f"| {f(r['ttft_long_p50_s'], '.2f')} / {f(r['ttft_long_p99_s'], '.2f')} "
-            f"| {f(r['throughput_tok_s'], '.0f')} | {f(r['goodput_req_s'], '.2f')} "
-            f"| {100 * r['good_fraction']:.0f} |"
-        )
-    return head + "\n".join(lines) + "\n"
-
-
-def maybe_plot(rows: list[dict], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        logger.warning("matplotlib is not installed: no PNG plot (the table has the figures)")
-        return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["config"] for r in rows]
-    ax1.bar(names, [r["goodput_req_s"] for r in rows])
-    ax1.set_ylabel("goodput (req/s)")
-    ax2.bar(names, [r["itl_p99_ms"] for r in rows])
-    ax2.set_ylabel("ITL p99 (ms)")
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
-
-
-def text_plot(rows: list[dict]) -> str:
-    """Goodput as text bars (kept in docs/benchmarks.md next to the table)."""
-    top = max((r["goodput_req_s"] for r in rows), default=0) or 1
-    width = max(len(r["config"]) for r in rows)
-    return "\n".join(
-        f"{r['config']:<{width}} {'#' * round(40 * r['goodput_req_s'] / top):<40} "
-        f"{r['goodput_req_s']:.2f} req/s"
-        for r in rows
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -50,24 +50,31 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from common.scheduler_settings import HELP as SCHEDULER_SET_HELP
 from common.scheduler_settings import parse_scheduler_sets
-from goodputbench.client import Arrival, Result, drive, pct, stream_one
+from goodputbench.client import Result, drive, pct
 from goodputbench.contenders import CONTENDERS, Contender, order_for
 from goodputbench.report import ATTAINMENT_GOAL, capacity, markdown, merge, plot
 from goodputbench.scrape import proxy_decisions, scheduler_figures
+from goodputbench.servers import WARM_PROMPTS as WARM_PROMPTS
+from goodputbench.servers import start_group
+from goodputbench.servers import warm as _warm
+from goodputbench.servers import with_tokenizer as _with_tokenizer
+from goodputbench.workload import CHAT_OUTPUT as CHAT_OUTPUT
+from goodputbench.workload import CHAT_PROMPT as CHAT_PROMPT
+from goodputbench.workload import DOC_OUTPUT as DOC_OUTPUT
+from goodputbench.workload import DOC_PROMPT as DOC_PROMPT
+from goodputbench.workload import DOC_SHARE as DOC_SHARE
+from goodputbench.workload import SEED, salted, workload
 
 from splitserve.launch.group import ServerGroup
 from splitserve.models import build_model, resolve_spec
-from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
 
@@ -87,12 +94,8 @@ ADAPTIVE_TARGET_MS = ADAPTIVE_TARGET_SHARE * SLO_GAP_P99_S * 1e3
 # (benchmarks/calibrate_engine.py prints the scale for the machine it ran on).
 SLO_REFERENCE_PREFILL = (2048, 2.5)  # (tokens, seconds) of mid where the SLO was set
 _SLO_BASE = (SLO_TTFT_CHAT_S, SLO_TTFT_DOC_S, SLO_GAP_P99_S)
-CHAT_PROMPT = (32, 512)
-CHAT_OUTPUT = (64, 256)
-DOC_PROMPT = (1500, 4000)
-DOC_OUTPUT = (16, 64)
-DOC_SHARE = 0.2
-SEED = 18
+# The workload's request classes (CHAT_PROMPT, CHAT_OUTPUT, DOC_PROMPT, DOC_OUTPUT, DOC_SHARE)
+# and SEED: stated in goodputbench/workload.py, beside the arrivals drawn from them.
 MAX_MODEL_LEN = 4096  # the model's own limit; the longest document plus its output fits
 BUDGET = 4096  # start-up --max-num-batched-tokens of every server but (a)'s (vLLM's default)
 SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
@@ -113,35 +116,7 @@ def scale_slo(scale: float) -> None:
     ADAPTIVE_TARGET_MS = ADAPTIVE_TARGET_SHARE * SLO_GAP_P99_S * 1e3
 
 
-# ---------------------------------------------------------------------- workload (pure)
-
-
-def workload(rate: float, duration_s: float, seed: int = SEED) -> list[Arrival]:
-    """Poisson arrivals at ``rate`` per second over ``duration_s``, every draw from ``seed``
-    (so every contender gets the same requests at a rate)."""
-    rng = random.Random(f"{seed}-{rate}")
-    out, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return out
-        doc = rng.random() < DOC_SHARE
-        lo, hi = DOC_PROMPT if doc else CHAT_PROMPT
-        olo, ohi = DOC_OUTPUT if doc else CHAT_OUTPUT
-        prompt = tuple(rng.randint(5, 1000) for _ in range(rng.randint(lo, hi)))
-        out.append(Arrival(t, "doc" if doc else "chat", prompt, rng.randint(olo, ohi)))
-
-
-def salted(arrivals: list[Arrival], k: int) -> list[Arrival]:
-    """The workload for the ``k``-th contender: the same arrivals, lengths and outputs, with the
-    first prompt token shifted by ``k``. Contenders that share servers (``pd`` and
-    ``pd-decide``) would otherwise find every prompt of the one before in the prefix cache (block
-    hashes chain from the first token, so one changed token leaves nothing to reuse)."""
-    out = []
-    for a in arrivals:
-        first = 5 + (a.prompt[0] - 5 + 199 * k) % 996
-        out.append(Arrival(a.at_s, a.kind, (first, *a.prompt[1:]), a.max_tokens))
-    return out
+# ---------------------------------------------------------------------- the SLO per request (pure)
 
 
 def meets_slo(r: Result) -> bool:
@@ -242,58 +217,10 @@ def proxy_settings(c: Contender, urls: dict[str, str], p_side: int | None) -> di
 
 
 def _start_group(group: str, model: Path, log_dir: Path) -> tuple[ServerGroup, dict, int | None]:
-    servers = ServerGroup(log_dir)
-    http = free_ports(2)
-    roles = ("p", "d") if group == "pd" else ("s0", "s1")
-    side = free_ports(2) if group == "pd" else [None, None]
-    sched_ports = free_ports(2)
-    urls = {}
-    for core, role in enumerate(roles):
-        kv = None
-        if group == "pd":
-            kv = {
-                "kv_connector": "SplitserveConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "side_channel_port": side[core],
-                    "lease_s": 600,
-                    "done_timeout_s": 900,
-                },
-            }
-        s = servers.add_vllm(
-            f"{group}-{role}",
-            str(model),
-            port=http[core],
-            served_model_name="bench",
-            kv_transfer_config=kv,
-            extra_args=server_args(group, role, sched_ports[core]),
-            cpu_core=core,
-            cpus=[core],
-            env={"VLLM_CPU_KVCACHE_SPACE": "2"},
-        )
-        urls[role] = s.url
-        urls[f"{role}-scheduler"] = f"http://127.0.0.1:{sched_ports[core]}"
-    servers.wait(900.0)
-    return servers, urls, side[0]
-
-
-def _with_tokenizer(settings: dict[str, Any], model: Path) -> dict[str, Any]:
-    if "decide" in settings:
-        settings = {**settings, "decide": {**settings["decide"], "tokenizer": str(model)}}
-    return settings
-
-
-WARM_PROMPTS = (64, 2000)  # tokens of the warm-up requests, one after the other, via the proxy
-
-
-async def _warm(url: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        for n in WARM_PROMPTS:
-            r = Result("warm", time.perf_counter())
-            prompt = tuple(10 + i % 900 for i in range(n))  # ids within the vocabulary
-            await stream_one(session, url, Arrival(0, "chat", prompt, 4), r)
-            if r.error:
-                raise RuntimeError(f"warm-up failed: {r.error}")
+    """One group's servers (goodputbench/servers.py), each with this script's ``server_args``
+    for its role: read when the group starts, so ``--slo-scale`` and ``--scheduler-set`` reach
+    them."""
+    return start_group(group, model, log_dir, server_args)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

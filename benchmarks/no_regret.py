@@ -53,22 +53,34 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from chunking import SCHEDULER_CLS, build_schedule
+from chunking import SCHEDULER_CLS
 from common.metrics import metrics_text
 from common.scheduler_settings import HELP as SCHEDULER_SET_HELP
 from common.scheduler_settings import parse_scheduler_sets
 from goodput import MAX_MODEL_LEN
-from goodput import workload as mixed_workload
-from goodputbench.client import Arrival, Result, drive, pct
-from noregretbench.verdict import BASELINES, markdown, plot, verdict
+from goodputbench.client import Arrival, Result, drive
+from noregretbench.cells import (
+    CELLS,
+    MODELS,
+    QUICK_CELLS,
+    SEED,
+    Cell,
+    arrivals,
+    definition,
+    plan,
+    scaled,
+)
+from noregretbench.cells import PHASED as PHASED
+from noregretbench.cells import WORKLOADS as WORKLOADS
+from noregretbench.slo import goodput, record, table
+from noregretbench.verdict import BASELINES as BASELINES
+from noregretbench.verdict import markdown, plot, verdict
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.launch.group import ServerGroup
@@ -78,73 +90,10 @@ from splitserve.netutil import free_ports
 logger = logging.getLogger("benchmarks.no_regret")
 
 # ---------------------------------------------------------------------- stated before any run
+# The seed, the models' cells, their workloads and the run plan: noregretbench/cells.py; the
+# verdict's thresholds: noregretbench/verdict.py. Here: the contenders' servers.
 
-SEED = 18
-ADAPTIVE_TARGET_SHARE = 0.6  # target_itl_ms = 0.6 x the cell's ITL target (docs/scheduler.md)
 LARGE_BUDGET = 4096  # start-up budget of lpt-256 and adaptive (the scheduler only lowers it)
-WORKLOADS = ("mixed", "phased")
-
-
-@dataclass(frozen=True)
-class ModelCells:
-    """One model size's part of the table: its two ITL targets, TTFT bounds and load.
-
-    The targets are set from the model's cost per prefill token on one core (tiny ~0.1 ms, mid
-    ~1 ms: docs/benchmarks.md): the tight one lets only the smaller fixed chunks beside decodes,
-    the loose one most of them, so the best fixed budget can differ from cell to cell."""
-
-    itl_ms: tuple[float, float]
-    ttft_short_s: float  # chat (mixed) / short (phased) requests
-    ttft_long_s: float  # documents (mixed) / long prompts (phased)
-    mixed_rate: float  # req/s of the mixed workload
-    phased_short_rate: float  # req/s of short streams in a busy phase
-    period_s: float  # phased: busy + quiet
-    duration_s: float  # arrival window of a full run
-    quick_duration_s: float  # arrival window of a --quick run
-
-
-MODELS: dict[str, ModelCells] = {
-    "tiny": ModelCells((50.0, 150.0), 1.0, 3.0, 2.0, 3.0, 12.0, 48.0, 24.0),
-    "mid": ModelCells((400.0, 1200.0), 1.5, 8.0, 0.5, 1.0, 20.0, 80.0, 40.0),
-}
-PHASED = {"busy_fraction": 0.5, "quiet_longs": 2, "drain": 2.0}
-SHORT_PROMPT, SHORT_OUTPUT, LONG_PROMPT, LONG_OUTPUT = 32, 96, 3000, 8  # phased requests
-QUICK_CELLS = ("tiny-mixed-50", "tiny-mixed-150")
-
-# ---------------------------------------------------------------------- cells and contenders
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One cell as stated (``itl_ms``, named after it) and the machine's time scale: every
-    bound the cell checks is the stated one times ``scale``."""
-
-    model: str
-    workload: str
-    itl_ms: float
-    scale: float = 1.0
-
-    @property
-    def name(self) -> str:
-        return f"{self.model}-{self.workload}-{self.itl_ms:g}"
-
-    @property
-    def itl_s(self) -> float:
-        return self.itl_ms * self.scale / 1e3
-
-    @property
-    def ttft_bounds_s(self) -> tuple[float, float]:
-        """(chat/short, document/long) TTFT bounds, scaled."""
-        m = MODELS[self.model]
-        return m.ttft_short_s * self.scale, m.ttft_long_s * self.scale
-
-    @property
-    def adaptive_run(self) -> str:
-        return f"adaptive-{round(ADAPTIVE_TARGET_SHARE * self.itl_ms * self.scale, 3):g}ms"
-
-
-CELLS = [Cell(m, w, t) for m in MODELS for w in WORKLOADS for t in MODELS[m].itl_ms]
-
 
 # Adaptive options beyond the defaults (--scheduler-set), recorded in the report.
 SCHEDULER_EXTRA: dict[str, Any] = {}
@@ -162,124 +111,6 @@ def server_args(run: str) -> list[str]:
     target = float(run.removeprefix("adaptive-").removesuffix("ms"))
     settings = {"splitserve_scheduler": {"target_itl_ms": target, **SCHEDULER_EXTRA}}
     return [*base, "--scheduler-cls", SCHEDULER_CLS, "--additional-config", json.dumps(settings)]
-
-
-def plan(cells: list[Cell], only: str = "all") -> list[tuple[str, str, list[str]]]:
-    """(model, workload, runs in order) for the selected cells: the baselines once per
-    (model, workload), one adaptive run per ITL target, the order rotated by the pair's index
-    among all eight cells' pairs (so no contender always runs first). ``only``: "adaptive" or
-    "baselines" keeps those runs of the rotated order."""
-    pairs = [(m, w) for m in MODELS for w in WORKLOADS]
-    out = []
-    for k, pair in enumerate(pairs):
-        mine = [c for c in cells if (c.model, c.workload) == pair]
-        if not mine:
-            continue
-        runs = BASELINES + sorted({c.adaptive_run for c in mine})
-        shift = k % len(runs)
-        order = runs[shift:] + runs[:shift]
-        if only != "all":
-            order = [r for r in order if r.startswith("adaptive-") == (only == "adaptive")]
-        out.append((*pair, order))
-    return out
-
-
-# ---------------------------------------------------------------------- workloads (pure)
-
-
-def arrivals(
-    model: str, workload: str, duration_s: float, seed: int = SEED, scale: float = 1.0
-) -> list[Arrival]:
-    """The seeded arrivals of one (model, workload) over the stated ``duration_s``: the same for
-    every contender; ``scale`` stretches their times (the same requests, ``scale`` x later)."""
-    stated = _stated_arrivals(model, workload, duration_s, seed)
-    if scale == 1.0:
-        return stated
-    return [replace(a, at_s=a.at_s * scale) for a in stated]
-
-
-def _stated_arrivals(model: str, workload: str, duration_s: float, seed: int) -> list[Arrival]:
-    m = MODELS[model]
-    if workload == "mixed":
-        return mixed_workload(m.mixed_rate, duration_s, seed)
-    rng = random.Random(f"{seed}-phased-{model}")
-    ns = argparse.Namespace(
-        workload="phased",
-        duration=duration_s,
-        period=m.period_s,
-        short_rate=m.phased_short_rate,
-        **PHASED,
-    )
-    out = []
-    for at, kind in build_schedule(ns, rng):
-        n, k = (SHORT_PROMPT, SHORT_OUTPUT) if kind == "short" else (LONG_PROMPT, LONG_OUTPUT)
-        prompt = tuple(rng.randint(5, 1000) for _ in range(n))
-        out.append(Arrival(at, "chat" if kind == "short" else "doc", prompt, k))
-    return out
-
-
-# ---------------------------------------------------------------------- goodput and verdict (pure)
-
-
-def record(r: Result) -> dict[str, Any]:
-    """What a cell's SLO needs of one request (kept in the JSON, so any SLO can be re-read)."""
-    gap = pct(r.gaps, 99)
-    return {
-        "kind": r.kind,
-        "ttft_s": r.ttft,
-        "gap_p99_s": gap,
-        "tokens": len(r.times),
-        "error": r.error,
-    }
-
-
-def meets(rec: dict[str, Any], cell: Cell) -> bool:
-    if rec["error"] is not None or rec["ttft_s"] is None:
-        return False
-    short, long = cell.ttft_bounds_s
-    if rec["ttft_s"] > (long if rec["kind"] == "doc" else short):
-        return False
-    return rec["gap_p99_s"] is None or rec["gap_p99_s"] <= cell.itl_s
-
-
-def goodput(run: dict[str, Any], cell: Cell) -> float:
-    """Requests meeting ``cell``'s SLO per second of the run's arrival window."""
-    return sum(meets(r, cell) for r in run["requests"]) / run["duration_s"]
-
-
-def table(runs: dict[str, dict[str, Any]], cells: list[Cell]) -> dict[str, dict[str, float]]:
-    """{cell: {contender: goodput}} for what was run (``adaptive`` is the cell's own target)."""
-    out: dict[str, dict[str, float]] = {}
-    for c in cells:
-        row = {}
-        for name in [*BASELINES, "adaptive"]:
-            key = f"{c.model}-{c.workload}-{c.adaptive_run if name == 'adaptive' else name}"
-            if key in runs:
-                row[name] = goodput(runs[key], c)
-        if row:
-            out[c.name] = row
-    return out
-
-
-def definition(scale: float = 1.0) -> str:
-    parts = [
-        f"goodput = requests meeting the cell's SLO per second of arrivals (seed {SEED}); SLO: no "
-        "error, TTFT within the class bound, the request's own p99 inter-token gap <= the cell's "
-        f"ITL target; adaptive target_itl_ms = {ADAPTIVE_TARGET_SHARE:g} x ITL target"
-    ]
-    if scale != 1.0:
-        parts.append(
-            f"time scale {scale:g}: every arrival time, window, TTFT bound, ITL target and "
-            "adaptive target below is multiplied by it (cells keep their stated names)"
-        )
-    for name, m in MODELS.items():
-        parts.append(
-            f"{name}: ITL targets {m.itl_ms[0]:g} / {m.itl_ms[1]:g} ms, TTFT <= "
-            f"{m.ttft_short_s:g} s (chat/short), <= {m.ttft_long_s:g} s (document/long), mixed "
-            f"at {m.mixed_rate:g} req/s, phased shorts at {m.phased_short_rate:g} req/s, period "
-            f"{m.period_s:g} s"
-        )
-    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------- running
@@ -423,10 +254,6 @@ def merge(reports: list[dict[str, Any]], replace_runs: bool = False) -> dict[str
 def report_scale(report: dict[str, Any]) -> float:
     """A report's time scale (reports written before ``--time-scale`` existed ran at 1)."""
     return float(report.get("time_scale", 1.0))
-
-
-def scaled(cells: list[Cell], scale: float) -> list[Cell]:
-    return [replace(c, scale=scale) for c in cells]
 
 
 def dry_run(

@@ -41,7 +41,7 @@ percentile gap by goodput.py's nearest-rank rule.
 
 Every server: vLLM's CPU KV block (128 tokens: the adaptive budget's alignment, as on the
 servers), fp32 KV and weights (the calibration's width), KV capacity 2 GiB
-(``VLLM_CPU_KVCACHE_SPACE`` in goodput.py's ``_start_group``; the simulator's
+(``VLLM_CPU_KVCACHE_SPACE`` in goodputbench/servers.py's ``start_group``; the simulator's
 ``mem x 0.9 - weights`` rule is fed a memory that leaves exactly that), layer-wise handoff.
 
 Not modelled (where to look when a cell misses):
@@ -89,7 +89,7 @@ ATTAINMENT_POINTS = 10.0  # the issue's targets
 CAPACITY_SHARE = 0.15
 VLLM_CPU_BUDGET, VLLM_CPU_SEQS = 2048, 128  # vllm arg_utils: CPU, OPENAI_API_SERVER defaults
 VLLM_CPU_BLOCK = 128  # vLLM's CPU KV block: the adaptive budget's alignment and floor
-KV_SPACE_BYTES = 2 * 2**30  # VLLM_CPU_KVCACHE_SPACE=2 in goodput.py's _start_group
+KV_SPACE_BYTES = 2 * 2**30  # VLLM_CPU_KVCACHE_SPACE=2 in goodputbench/servers.py
 CLASSES = ("chat", "doc")
 
 

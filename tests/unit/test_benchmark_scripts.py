@@ -55,7 +55,14 @@ def test_every_benchmark_module_imports() -> None:
     """Also the modules no ``--help`` imports (``handoff_sglang`` is imported mid-run)."""
     modules = ["handoff_sglang", "chunking"] + [
         f"{package}.{path.stem}"
-        for package in ("common", "proxybench", "handoffbench")
+        for package in (
+            "common",
+            "proxybench",
+            "handoffbench",
+            "chunkingbench",
+            "goodputbench",
+            "noregretbench",
+        )
         for path in sorted((BENCHMARKS / package).glob("*.py"))
         if path.stem != "__init__"
     ]
