@@ -16,8 +16,9 @@ Variants of (e), each one change from the shipped rule:
 - ``floor-256``: the adaptive budget's floor fixed at 256 tokens (the fleet's
   ``adaptive_min_chunk``, the policy's ``min_chunk``: the default before session 24) on D (and
   on (c)'s servers, printed as ``(c) floor-256``);
-- ``share-on``: the adaptive budget shared max-min fairly among pending prompts instead of
-  first come, first served (the policy's opt-in ``share_prefill``), on D and on (c)'s servers.
+- ``share-off``: the adaptive budget first come, first served instead of shared max-min fairly
+  among pending prompts (the policy's ``share_prefill``, on by default), on D and on (c)'s
+  servers.
 
 Prints, per contender and rate, the mean attainment over the seeds and the worst seed's.
 
@@ -49,7 +50,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "busy-uncapped": {"routing": {"decide_busy_max_tokens": UNCAPPED}},
     "busy-off": {"routing": {"decode_prefill_cost_ratio": float(UNCAPPED)}},
     "floor-256": {"server": {"adaptive_min_chunk": 256}},
-    "share-on": {"server": {"adaptive_share_prefill": True}},
+    "share-off": {"server": {"adaptive_share_prefill": False}},
 }
 
 
@@ -89,7 +90,7 @@ def fleets(ctx: dict[str, Any]) -> list[tuple[str, Fleet]]:
         )
         built[c.name] = parse_fleet(spec, base.model_copy(update={"server": settings}))
         rows.append((c.label.split(" ")[0] + " " + c.name, built[c.name]))
-    for name in ("floor-256", "share-on"):
+    for name in ("floor-256", "share-off"):
         rows.append(
             (f"(c) {name}", _with_server(built["colocated-adaptive"], VARIANTS[name]["server"]))
         )

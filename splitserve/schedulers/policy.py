@@ -16,13 +16,13 @@ How it decides (see docs/scheduler.md):
 - the floor is ``min_chunk`` when it is set; by default, the largest aligned chunk up to
   ``DEFAULT_MIN_CHUNK_TOKENS`` whose step *alone* (no decodes) fits the target: where a block
   is large and tokens are dear (a CPU's 128-token block, a 256-token chunk costing more than the
-  target) a fixed floor would break the target in every step that carries a prefill. It is at
-  least one block, unless ``floor_below_block`` is set: then, when not even one block fits alone
-  (a chunk deep in a long prompt pays attention over its whole context), the floor goes below
+  target) a fixed floor would break the target in every step that carries a prefill. With
+  ``floor_below_block`` (the default; off: at least one block), when not even one block fits
+  alone (a chunk deep in a long prompt pays attention over its whole context), the floor goes below
   the block in steps of ``SUB_BLOCK_TOKENS``, at least one such step: the decodes beside it keep
   their target, at the price of every prompt's prefill rate under decode load (TTFT);
 - increases are smoothed (``increase_smoothing``), decreases apply at once;
-- with ``share_prefill`` (opt-in) the budget is shared max-min fairly among the pending
+- with ``share_prefill`` (the default) the budget is shared max-min fairly among the pending
   prompts when that beats first come, first served on their mean time to finish
   (:func:`sharing_pays`: a short prompt behind a much longer one): the step's per-prompt cap
   (:func:`share_cap`) lets every prompt shorter than the fair share finish its prefill in the
@@ -105,15 +105,16 @@ class BudgetPolicySettings(BaseModel):
         10.0, gt=0, description="adapter: seconds between info-level budget summaries"
     )
     floor_below_block: bool = Field(
-        False,
+        True,
         description="with min_chunk unset: let the floor go below one block (16-token steps) "
         "when not even a block fits the target alone; protects inter-token gaps beside long "
-        "prompts, slows every prompt's prefill under decode load",
+        "prompts, slows every prompt's prefill under decode load; false: at least one block",
     )
     share_prefill: bool = Field(
-        False,
+        True,
         description="split the prefill budget max-min fairly among pending prompts (short "
-        "ones finish, long ones share the rest) instead of first come, first served",
+        "ones finish, long ones share the rest) where that beats first come, first served; "
+        "false: always first come, first served",
     )
     share_always: bool = Field(
         False,

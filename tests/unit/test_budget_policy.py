@@ -158,13 +158,14 @@ def test_default_floor_is_what_fits_the_target_alone() -> None:
     decision = policy.decide(StepState([300] * 4, [PendingPrefill(3000)]))
     assert (decision.prefill_budget, decision.reason) == (128, "fits")
     assert decision.predicted_step_s * 1e3 <= 150.0
-    # A target that not even one block meets alone: one block, the least harm (and progress).
+    # A target that not even one block meets alone, with floor_below_block off: one block,
+    # the least harm (and progress).
     state = StepState([300], [PendingPrefill(3000)])
-    tight = cpu_like_policy(target_itl_ms=50.0).decide(state)
+    tight = cpu_like_policy(target_itl_ms=50.0, floor_below_block=False).decide(state)
     assert (tight.prefill_budget, tight.reason) == (128, "min_chunk")
-    # floor_below_block: below the block, in steps of 16 tokens, the largest that fits alone
-    # (19 ms + 0.9 ms x 32 = 47.8 ms within 50; 48 tokens: 62 ms).
-    below = cpu_like_policy(target_itl_ms=50.0, floor_below_block=True).decide(state)
+    # floor_below_block (the default): below the block, in steps of 16 tokens, the largest that
+    # fits alone (19 ms + 0.9 ms x 32 = 47.8 ms within 50; 48 tokens: 62 ms).
+    below = cpu_like_policy(target_itl_ms=50.0).decide(state)
     assert (below.prefill_budget, below.reason) == (32, "fits")  # with its one decode: 48.7 ms
     # Not even the smallest step fits: 16 tokens.
     hopeless = cpu_like_policy(target_itl_ms=20.0, floor_below_block=True).decide(state)
@@ -183,8 +184,8 @@ def test_the_floor_is_predicted_for_the_step_as_it_runs_shared() -> None:
     )
     settings = {"target_itl_ms": 150.0, "safety_sigmas": 0.0, "step_model": {"prior": prior}}
     state = StepState([300], [PendingPrefill(1000, 3000), PendingPrefill(100)])
-    in_order = make_policy(**settings, floor_below_block=True)
-    shared = make_policy(**settings, floor_below_block=True, share_prefill=True)
+    in_order = make_policy(**settings, share_prefill=False)
+    shared = make_policy(**settings)
     assert in_order._floor_tokens(state, 0.150) == 32
     assert shared._floor_tokens(state, 0.150) == 48
 
@@ -348,7 +349,8 @@ def test_a_chat_behind_a_document_gets_its_prefill_in_the_same_step() -> None:
     chat's 40 tokens run in this step and the predicted cost is that of the shared step."""
     for decodes in ([], [1000] * 4):
         state = StepState(decodes, [PendingPrefill(4080, 1000), PendingPrefill(40)])
-        shared, fcfs = make_policy(target_itl_ms=500.0, share_prefill=True), make_policy()
+        shared = make_policy(target_itl_ms=500.0)
+        fcfs = make_policy(target_itl_ms=500.0, share_prefill=False)
         decision = shared.decide(state)
         assert 0 < decision.prompt_cap <= decision.prefill_budget - 40
         features = shared.step_features(state, decision.prefill_budget)
@@ -360,8 +362,8 @@ def test_one_prompt_or_sharing_off_means_no_cap() -> None:
     state = StepState([500] * 4, [PendingPrefill(4000)])
     assert make_policy(share_prefill=True).decide(state).prompt_cap == 0
     two = StepState([500] * 4, [PendingPrefill(4000), PendingPrefill(400)])
-    assert make_policy().decide(two).prompt_cap == 0  # off by default
-    assert make_policy(share_prefill=True).decide(two).prompt_cap > 0
+    assert make_policy(share_prefill=False).decide(two).prompt_cap == 0
+    assert make_policy().decide(two).prompt_cap > 0  # on by default
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ class ServerSettings(BaseModel):
         "(None: the policy's default floor, which follows the target)",
     )  # fmt: skip
     adaptive_share_prefill: bool = Field(
-        False, description="the adaptive budget shares its prefill tokens max-min fairly among "
+        True, description="the adaptive budget shares its prefill tokens max-min fairly among "
         "pending prompts (the policy's share_prefill)",
     )  # fmt: skip
     block_size: int = Field(
