@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+from common.sse import token_times
 
 
 @dataclass
@@ -47,14 +47,7 @@ async def _stream(
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             response.raise_for_status()
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
+            async for now in token_times(response.content):
                 if result.first_token is None:
                     result.first_token = now
                 result.token_times.append(now)

@@ -5,11 +5,11 @@ benchmarks/no_regret.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+from common.sse import token_times
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, a: Arrival, r: Re
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
+            async for now in token_times(resp.content):
                 if r.first is None:
                     r.first = now
                 r.times.append(now)

@@ -99,3 +99,27 @@ def test_sample_sum_adds_label_sets_and_reads_absent_as_zero() -> None:
     assert metrics.sample_sum(text, "vllm:splitserve_loads_completed_on_first_token_total") == 0
     # A name is matched whole: a histogram's buckets are not its sum.
     assert metrics.sample_sum(text, "vllm:splitserve_exposed_handoff_seconds") == 0
+
+
+def test_token_times_counts_only_events_with_choices() -> None:
+    import asyncio
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from common.sse import token_times
+
+    async def lines():
+        for raw in (
+            b": keep-alive\n",
+            b'data: {"choices": [{"text": "a"}]}\n',
+            b"\n",
+            b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n',
+            b'data: {"choices": [{"text": "b"}]}\n',
+            b"data: [DONE]\n",
+        ):
+            yield raw
+
+    async def collect() -> list[float]:
+        return [t async for t in token_times(lines())]
+
+    times = asyncio.run(collect())
+    assert len(times) == 2 and times[0] <= times[1]
