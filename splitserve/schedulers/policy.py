@@ -253,7 +253,7 @@ class BudgetPolicy:
         if state.num_decodes == 0:
             budget = self.bounds.max_chunk
             self._previous_budget = budget
-            cap = self._cap(state, budget)
+            cap = self._cap(self._shared(state), budget)
             predicted = self.model.predict_s(plan_features(state, budget, 0, 0, cap))
             return BudgetDecision(budget, predicted, "no_decodes", cap)
 
@@ -262,12 +262,13 @@ class BudgetPolicy:
         limit_s = (self.settings.target_itl_ms / 1e3) / (
             1.0 + self.settings.safety_sigmas * self.model.relative_scale
         )
-        floor = self._floor_tokens(state, limit_s)
+        shared = self._shared(state)  # the same prompts share every candidate budget
+        floor = self._floor_tokens(state, limit_s, shared)
         decode_tokens = state.num_decodes
         decode_pairs = sum(c + 1 for c in state.decode_context_lens)
 
         def fits_tokens(budget: int) -> bool:
-            cap = self._cap(state, budget)
+            cap = self._cap(shared, budget)
             features = plan_features(state, budget, decode_tokens, decode_pairs, cap)
             return self.model.predict_s(features) <= limit_s
 
@@ -283,7 +284,7 @@ class BudgetPolicy:
             raw, reason = units * align, "fits"
 
         budget = self._smooth(raw, floor)
-        cap = self._cap(state, budget)
+        cap = self._cap(shared, budget)
         features = plan_features(state, budget, decode_tokens, decode_pairs, cap)
         return BudgetDecision(budget, self.model.predict_s(features), reason, cap)
 
@@ -295,27 +296,34 @@ class BudgetPolicy:
     def step_features(self, state: StepState, prefill_budget: int) -> StepFeatures:
         """What the engine's step computes with this budget, shared as :meth:`decide` shares
         it."""
-        cap = self._cap(state, prefill_budget)
+        cap = self._cap(self._shared(state), prefill_budget)
         return plan_features(state, prefill_budget, prompt_cap=cap)
 
-    def _cap(self, state: StepState, budget: int) -> int:
+    def _shared(self, state: StepState) -> list[int] | None:
+        """The pending prompts' remaining tokens when this step's budget is to be shared among
+        them; None when the step runs in the engine's order. Independent of the budget, so
+        :meth:`decide` asks once per step, not once per candidate."""
         if not self.settings.share_prefill or len(state.prefills) < 2:
-            return 0
+            return None
         remaining = [p.remaining_tokens for p in state.prefills[:_MAX_PREFILLS_CONSIDERED]]
         if not self.settings.share_always and not sharing_pays(remaining):
-            return 0
-        return share_cap(remaining, budget, self.bounds.alignment)
+            return None
+        return remaining
+
+    def _cap(self, shared: list[int] | None, budget: int) -> int:
+        """The step's per-prompt cap for ``budget`` (0: none)."""
+        return 0 if shared is None else share_cap(shared, budget, self.bounds.alignment)
 
     def observe(self, executed: StepFeatures, measured_s: float) -> Observation:
         """Learn from a step that ran (what it computed and how long it took)."""
         return self.model.observe(executed, measured_s)
 
-    def _floor_tokens(self, state: StepState, limit_s: float) -> int:
+    def _floor_tokens(self, state: StepState, limit_s: float, shared: list[int] | None) -> int:
         """The smallest budget of this step: ``min_chunk`` when it was set; else the largest
         aligned chunk up to it whose step alone (no decodes) is predicted within ``limit_s``,
         at least one block; with ``floor_below_block``, when not even one block fits alone, the
         largest multiple of ``SUB_BLOCK_TOKENS`` below the block that does, at least one. The
-        step is predicted as it would run (shared among prompts when :meth:`_cap` shares it: a
+        step is predicted as it would run (shared among ``shared``, from :meth:`_shared`: a
         chat's chunk beside a deep document costs less than the document's own). It does not
         depend on the decodes, so a heavier decode load still never gets a larger budget."""
         align = self.bounds.alignment
@@ -324,7 +332,7 @@ class BudgetPolicy:
             return top * align
 
         def alone_fits(tokens: int) -> bool:  # the step as it would run: shared, if it is
-            cap = self._cap(state, tokens)
+            cap = self._cap(shared, tokens)
             return self.model.predict_s(plan_features(state, tokens, 0, 0, cap)) <= limit_s
 
         if alone_fits(align):

@@ -172,7 +172,8 @@ def test_default_floor_is_what_fits_the_target_alone() -> None:
     assert (hopeless.prefill_budget, hopeless.reason) == (16, "min_chunk")
     # Where tokens are cheap the floor stays at the default 256.
     cheap = cpu_like_policy(target_itl_ms=1000.0)
-    assert cheap._floor_tokens(StepState([300], [PendingPrefill(3000)]), 1.0) == 256
+    one = StepState([300], [PendingPrefill(3000)])
+    assert cheap._floor_tokens(one, 1.0, cheap._shared(one)) == 256
 
 
 def test_the_floor_is_predicted_for_the_step_as_it_runs_shared() -> None:
@@ -186,8 +187,9 @@ def test_the_floor_is_predicted_for_the_step_as_it_runs_shared() -> None:
     state = StepState([300], [PendingPrefill(1000, 3000), PendingPrefill(100)])
     in_order = make_policy(**settings, share_prefill=False)
     shared = make_policy(**settings)
-    assert in_order._floor_tokens(state, 0.150) == 32
-    assert shared._floor_tokens(state, 0.150) == 48
+    assert in_order._shared(state) is None
+    assert in_order._floor_tokens(state, 0.150, None) == 32
+    assert shared._floor_tokens(state, 0.150, shared._shared(state)) == 48
 
 
 def test_a_min_chunk_that_was_set_is_kept() -> None:
