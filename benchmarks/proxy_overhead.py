@@ -46,6 +46,12 @@ proxied request than the proxies they measured, so on two cores every contender 
 harness's ceiling and "maximum requests/s" measured the harness, not the proxy
 (docs/benchmarks.md, "A server of our own, and a harness that measures the proxy").
 
+``--pin 0:1`` gives every contender's processes CPU 0 and the harness (stubs, wrk, this
+script) CPU 1. Unpinned, on two cores, a proxy, two stubs and wrk take turns on both cores
+and a contender's requests/s follows how the kernel's scheduler shares them (a third of our
+proxy's CPU was the kernel, half of it scheduling; docs/benchmarks.md); pinned, each contender
+gets the same one core to itself, the per-core comparison a host with cores to spare makes.
+
     python benchmarks/proxy_overhead.py --seconds 9 --concurrency 1 64 256 \\
         --out runs/proxy_overhead.json --plot docs/img/proxy_overhead.png
 
@@ -109,11 +115,34 @@ def parse_args() -> argparse.Namespace:
         "--stub-server", choices=("auto", "ours", "aiohttp"), default="auto",
         help="stub backends on splitserve's HTTP server (default with wrk) or aiohttp's",
     )  # fmt: skip
+    ap.add_argument(
+        "--pin", default=None, metavar="CONTENDER_CPUS:HARNESS_CPUS",
+        help="e.g. 0:1: every contender's processes on CPU 0, the stubs, wrk and this script on "
+        "CPU 1 (comma-separated lists), so that a contender's requests/s is what its CPUs "
+        "give, not how the scheduler shares them with the load generator",
+    )  # fmt: skip
     # The stubs and the bare proxy: this script again, each in a process of its own (launcher).
     ap.add_argument("--stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--fast-stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=3, default=None, help=argparse.SUPPRESS)
     return ap.parse_args()
+
+
+def parse_pin(spec: str | None) -> tuple[set[int], set[int]] | None:
+    """``--pin A:B`` as (contender CPUs, harness CPUs); refused where they overlap or name a
+    CPU this process may not use."""
+    if spec is None:
+        return None
+    try:
+        a, b = (set(map(int, part.split(","))) for part in spec.split(":"))
+    except ValueError:
+        raise SystemExit(
+            f"--pin {spec!r}: expected CONTENDER_CPUS:HARNESS_CPUS, e.g. 0:1"
+        ) from None
+    allowed = os.sched_getaffinity(0)
+    if a & b or not (a | b) <= allowed:
+        raise SystemExit(f"--pin {spec!r}: the two sets must be disjoint, within {sorted(allowed)}")
+    return a, b
 
 
 def choose_harness(load: str, stub_server: str) -> tuple[str, str]:
@@ -162,8 +191,14 @@ def main() -> None:
     def wanted(name: str) -> bool:
         return args.only is None or name in args.only
 
+    pin = parse_pin(args.pin)
+    if pin is not None:
+        os.sched_setaffinity(0, pin[1])  # the stubs and wrk inherit it
+        print(f"pinned: contenders on CPUs {sorted(pin[0])}, harness on {sorted(pin[1])}")
     load_before = os.getloadavg()
-    launcher = Launcher(args.proxy_workers, stub_server, script=__file__)
+    launcher = Launcher(
+        args.proxy_workers, stub_server, script=__file__, contender_cpus=pin[0] if pin else None
+    )
     missing: list[str] = []
     try:
         contenders, missing = start_contenders(launcher, wanted, args.baseline)

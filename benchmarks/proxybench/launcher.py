@@ -86,8 +86,17 @@ class Launcher:
     proxy run as that script with its hidden ``--fast-stub`` / ``--stub`` / ``--bare`` options.
     """
 
-    def __init__(self, proxy_workers: int, stub_server: str, script: str) -> None:
+    def __init__(
+        self,
+        proxy_workers: int,
+        stub_server: str,
+        script: str,
+        contender_cpus: set[int] | None = None,
+    ) -> None:
         self.py = sys.executable
+        # ``--pin``: each contender's processes on these CPUs (the stubs and the load generator
+        # inherit this script's own affinity, set by the caller).
+        self.contender_cpus = contender_cpus
         self.script = script
         self.procs: list[subprocess.Popen[bytes]] = []
         self.workers = proxy_workers
@@ -96,16 +105,29 @@ class Launcher:
         # Two stub processes, P and D (SGLang's router refuses one URL in both roles).
         for port in (p_port, d_port):
             flag = "--fast-stub" if stub_server == "ours" else "--stub"
-            self.spawn([self.py, self.script, flag, str(port)])
+            self.spawn([self.py, self.script, flag, str(port)], harness=True)
         wait_http(self.stub_p + "/health")
         wait_http(self.stub_d + "/health")
 
     def spawn(
-        self, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+        self,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        harness: bool = False,
     ) -> subprocess.Popen[bytes]:
+        """Start ``cmd``: a contender (on ``contender_cpus`` when pinned) or, ``harness``, a
+        stub (on this script's CPUs)."""
+        cpus = None if harness else self.contender_cpus
+
+        def pin() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
         p = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd
-        )
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd,
+            preexec_fn=pin,
+        )  # fmt: skip
         self.procs.append(p)
         return p
 
