@@ -169,13 +169,13 @@ def with_fresh_side_ports(spec: dict[str, Any]) -> dict[str, Any]:
 INTEGRATION_ORDER = [
     "test_smoke_vllm.py",  # "unified"
     "test_adaptive_scheduler.py",  # "unified", "adaptive-scheduler"
+    "test_proxy_vllm.py",  # stock NIXL pair; kills "unified" (its last user)
     "test_connector_vllm.py",  # "ss-a", "ss-b"
     "test_proxy_splitserve.py",  # "ss-a", "ss-b"
     "test_proxy_decide.py",  # "ss-a", "ss-b"
     "test_discovery.py",  # "ss-a", "ss-b", "ss-c"
     "test_prefill_allowlist.py",  # "ss-a", "ss-b", "ss-c"
     "test_control_plane.py",  # "ss-a", "ss-b"
-    "test_proxy_vllm.py",  # stock NIXL pair
     "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
     "test_proxy_sglang.py",  # the same pair
     "test_sglang_server.py",

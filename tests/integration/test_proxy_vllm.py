@@ -4,7 +4,8 @@ over real NIXL between two server processes), and fault handling with real proce
 The official ``openai`` client talks to the proxy, which runs in-process on a background thread
 (``BackgroundProxy``). Servers are shared through the ``servers`` fixture: ``vllm-nixl-p`` /
 ``vllm-nixl-d`` (stock NixlConnector, one core each) for anyone who needs a NIXL pair, and
-``proxy-victim`` (a plain server, no connector) that the kill test destroys.
+``unified`` (the plain server of the modules before this one, no connector), which the kill
+test destroys.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ NIXL_EXPIRY_MARKS = ("Releasing expired KV blocks", "Potentially invalid KV bloc
 # NixlConnector's NIXL progress thread holds a core even while idle: lower priority, so that the
 # pair does not starve the servers starting beside it (docs/environment.md).
 NIXL_SPINNER_NICE = 10
+# The plain server (no connector) that test_decode_killed_midstream kills: test_smoke_vllm's and
+# test_adaptive_scheduler's reference server, which no module after this one uses (one start
+# fewer than a server of this module's own).
+VICTIM = "unified"
 PROMPTS = [
     "7 " + "hello world the quick brown fox " * 15,  # longer than a 128-token block
     "a short prompt",
@@ -66,11 +71,13 @@ def nixl_pair(servers, tiny_model) -> Iterator[tuple]:
                 nice=NIXL_SPINNER_NICE,
             )
         )
-    # Started now so that its start-up overlaps the pair's, and waited for here too: a server
+    # The victim is the plain server of the modules before (``VICTIM``, still running: this
+    # module runs right after them, tests/conftest.py). Asked for now, so that a start of its
+    # own (this module run alone) overlaps the pair's and is waited for here too: a server
     # starting at normal priority starves the niced pair's HTTP front ends, and the first
     # requests through the proxy then failed on its 5 s connect timeout (a CI failure).
-    servers.vllm("proxy-victim", tiny_model, cpu_core=0, wait=False)
-    servers.wait_all("vllm-nixl-p", "vllm-nixl-d", "proxy-victim")
+    servers.vllm(VICTIM, tiny_model, wait=False)
+    servers.wait_all("vllm-nixl-p", "vllm-nixl-d", VICTIM)
     yield started[0], started[1]
     # Only this module uses the stock pair, whose NIXL progress threads spin both cores (niced)
     # until the pair is stopped: stop it now rather than when the next modules evict it.
@@ -79,7 +86,7 @@ def nixl_pair(servers, tiny_model) -> Iterator[tuple]:
 
 @pytest.fixture(scope="module")
 def victim(servers, tiny_model, nixl_pair):
-    return servers.vllm("proxy-victim", tiny_model, cpu_core=0)
+    return servers.vllm(VICTIM, tiny_model)
 
 
 def proxy_config(prefill: list[str], decode: list[str], **kw):
