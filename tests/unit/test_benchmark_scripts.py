@@ -23,7 +23,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         (
             "proxy_overhead.py",
             ["--requests", "--concurrency", "--rounds", "--out", "--plot", "--proxy-workers",
-             "--baseline", "--only", "--prompt-chars", "--load", "--seconds", "--stub-server"],
+             "--baseline", "--only", "--prompt-chars", "--load", "--seconds", "--stub-server",
+             "--pin"],
         ),
         (
             "handoff.py",
@@ -123,3 +124,22 @@ def test_token_times_counts_only_events_with_choices() -> None:
 
     times = asyncio.run(collect())
     assert len(times) == 2 and times[0] <= times[1]
+
+
+def test_proxy_overhead_pin_reads_two_disjoint_cpu_sets() -> None:
+    import os
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from proxy_overhead import parse_pin
+
+    assert parse_pin(None) is None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        a, b = cpus[0], cpus[1]
+        assert parse_pin(f"{a}:{b}") == ({a}, {b})
+        with pytest.raises(SystemExit, match="disjoint"):
+            parse_pin(f"{a}:{a},{b}")
+    with pytest.raises(SystemExit, match="disjoint"):
+        parse_pin(f"{cpus[0]}:{10**6}")  # a CPU this process may not use
+    with pytest.raises(SystemExit, match="expected CONTENDER_CPUS:HARNESS_CPUS"):
+        parse_pin("0-1")
