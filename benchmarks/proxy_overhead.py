@@ -139,9 +139,11 @@ def parse_pin(spec: str | None) -> tuple[set[int], set[int]] | None:
         raise SystemExit(
             f"--pin {spec!r}: expected CONTENDER_CPUS:HARNESS_CPUS, e.g. 0:1"
         ) from None
+    if a & b:
+        raise SystemExit(f"--pin {spec!r}: the two sets must be disjoint")
     allowed = os.sched_getaffinity(0)
-    if a & b or not (a | b) <= allowed:
-        raise SystemExit(f"--pin {spec!r}: the two sets must be disjoint, within {sorted(allowed)}")
+    if not (a | b) <= allowed:
+        raise SystemExit(f"--pin {spec!r}: this process may only use CPUs {sorted(allowed)}")
     return a, b
 
 

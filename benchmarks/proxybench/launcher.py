@@ -119,11 +119,7 @@ class Launcher:
         """Start ``cmd``: a contender (on ``contender_cpus`` when pinned) or, ``harness``, a
         stub (on this script's CPUs)."""
         cpus = None if harness else self.contender_cpus
-
-        def pin() -> None:
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
+        pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
         p = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd,
             preexec_fn=pin,
