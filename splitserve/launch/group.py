@@ -133,6 +133,7 @@ class ServerGroup:
         env: Mapping[str, str] | None = None,
         nice: int = 0,
         cpus: Sequence[int] | None = None,
+        in_process_worker: bool = False,
     ) -> Server:
         """Start a stock vLLM OpenAI server (see ``engines.vllm_server``)."""
         port = port or free_port(host)
@@ -145,6 +146,7 @@ class ServerGroup:
             extra_args=extra_args,
             cpu_core=cpu_core,
             env=env,
+            in_process_worker=in_process_worker,
         )
         return self.add(name, cmd.argv, port=port, host=host, env=cmd.env, nice=nice, cpus=cpus)
 

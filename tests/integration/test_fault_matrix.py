@@ -186,6 +186,7 @@ def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
                 extra_args=extra,
                 cpu_core=core,
                 env=UNPINNED if core is None else None,
+                in_process_worker=True,  # as the test pool's servers (tests/conftest.py)
             )
         running.wait()
         yield running

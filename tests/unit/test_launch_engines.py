@@ -59,3 +59,14 @@ def test_cpu_servers_poll_their_rings_unless_someone_else_set_the_spin(monkeypat
     # set in the launcher's own environment: the child inherits that value, not ours
     monkeypatch.setenv("SPLITSERVE_VLLM_SHM_SPIN_S", "1")
     assert "SPLITSERVE_VLLM_SHM_SPIN_S" not in vllm_server("m", 8000).env
+
+
+def test_in_process_worker_only_for_one_rank_without_an_explicit_executor():
+    flag = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    assert flag not in vllm_server("m", 8000).env  # vLLM's own default unless asked
+    assert vllm_server("m", 8000, in_process_worker=True).env[flag] == "0"
+    assert vllm_server("m", 8000, in_process_worker=True, cpu=False).env[flag] == "0"
+    several = vllm_server("m", 8000, extra_args=["-tp", "2"], in_process_worker=True)
+    assert flag not in several.env
+    explicit = ["--distributed-executor-backend", "mp"]
+    assert flag not in vllm_server("m", 8000, extra_args=explicit, in_process_worker=True).env
