@@ -7,6 +7,7 @@ shared pair is still running when the second module asks for it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -77,28 +78,63 @@ def ss_pair(servers, tiny_model) -> SplitservePair:
     return pair
 
 
+# ss-c's adaptive budget (test_proxy_decide reads it on ss-c's /metrics): a 1 us ITL target is
+# unreachable (1 ms was not, on a CI run), so the budget is exactly the pair's
+# --max-num-batched-tokens on a step without decodes and THIRD_MIN_CHUNK on a step with
+# decodes, a fact of the workload and not of timing (test_adaptive_scheduler.py).
+THIRD_MIN_CHUNK = 128
+THIRD_SCHEDULER = {"splitserve_scheduler": {"target_itl_ms": 0.001, "min_chunk": THIRD_MIN_CHUNK}}
+THIRD_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings: D holds long streams
+
+
+@dataclass(frozen=True)
+class ThirdServer:
+    """``ss-c``: where it listens and the settings its tests depend on."""
+
+    url: str
+    side_port: int
+    min_chunk: int = THIRD_MIN_CHUNK
+    max_model_len: int = THIRD_MAX_MODEL_LEN
+
+
 @pytest.fixture(scope="module")
-def ss_guarded_third(ss_pair, servers, tiny_model) -> tuple[str, int]:
-    """``(url, side_port)`` of ``ss-c``, a third server of the pair, deployed as ``splitserve up``
-    deploys D: it may contact prefill side channels on 127.0.0.1 only and runs the request guard
-    (``--middleware``). test_discovery uses it as its second D and test_prefill_allowlist as its
-    guarded D (the next module: one start for both)."""
+def ss_third(ss_pair, servers, tiny_model, tmp_path_factory) -> ThirdServer:
+    """``ss-c``, a third server of the pair, deployed as ``splitserve up`` deploys D: it runs
+    ``AdaptiveChunkScheduler`` (``THIRD_SCHEDULER``), may contact prefill side channels on
+    127.0.0.1 only, and runs the request guard (``--middleware``). One start for three modules
+    that follow each other: test_proxy_decide's adaptive D, test_discovery's second D and
+    test_prefill_allowlist's guarded D. ``PROMETHEUS_MULTIPROC_DIR`` puts the scheduler's
+    metrics (EngineCore) on the server's own ``/metrics``. Unpinned with one OpenMP thread
+    (cpu_placement.py): pinned beside ss-a, the two engines share a core and P's side channel
+    misses its handshake bounds."""
     from splitserve.launch.engines import SPLITSERVE_GUARD
     from splitserve.netutil import free_ports
 
     kv = ss_pair.kv_config(free_ports(1)[0])
     kv["kv_connector_extra_config"]["allowed_prefill_hosts"] = ["127.0.0.1"]
+    extra_args = [
+        *ss_pair.extra_args,
+        "--max-model-len",  # the later flag wins
+        str(THIRD_MAX_MODEL_LEN),
+        "--scheduler-cls",
+        "splitserve.schedulers.vllm.AdaptiveChunkScheduler",
+        "--additional-config",
+        json.dumps(THIRD_SCHEDULER),
+        "--middleware",
+        SPLITSERVE_GUARD,
+    ]
+    prometheus_dir = tmp_path_factory.mktemp("ss-c-prometheus")
     server = servers.vllm(
         "ss-c",
         tiny_model,
         kv_transfer_config=kv,
-        extra_args=[*ss_pair.extra_args, "--middleware", SPLITSERVE_GUARD],
+        extra_args=extra_args,
         cpu_core=None,
-        env=UNPINNED,
+        env={**UNPINNED, "PROMETHEUS_MULTIPROC_DIR": str(prometheus_dir)},
         wait=False,
     )
     servers.wait_all("ss-a", "ss-b", "ss-c")
-    return server.url, servers.side_port("ss-c")
+    return ThirdServer(server.url, servers.side_port("ss-c"))
 
 
 @dataclass(frozen=True)

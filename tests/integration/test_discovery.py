@@ -9,7 +9,8 @@ text through the proxy equals a colocated server's throughout.
 
 Servers: the connector tests' pair (``ss_pair``: ``ss-a`` prefills, ``ss-b`` decodes) and a
 third server of the pair, ``ss-c``, the second D (deployed as ``splitserve up`` deploys D, with
-the prefill allowlist and the request guard; test_prefill_allowlist's D). The servers all listen
+the adaptive budget, the prefill allowlist and the request guard; test_proxy_decide's and
+test_prefill_allowlist's D). The servers all listen
 on 127.0.0.1, so the DNS names are SRV records (each server's own port), as a headless Service
 publishes for a named port; the A-record path is checked against the same dnsmasq without
 engines.
@@ -139,9 +140,9 @@ def test_a_records_nxdomain_and_a_dead_server(dns) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(ss_pair, ss_guarded_third):
+def fleet(ss_pair, ss_third):
     """(P url, P side port), D1 url, D2 url."""
-    return ss_pair["ss-a"], ss_pair["ss-b"][0], ss_guarded_third[0]
+    return ss_pair["ss-a"], ss_pair["ss-b"][0], ss_third.url
 
 
 class ProxyProcess:

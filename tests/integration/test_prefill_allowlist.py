@@ -27,9 +27,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def guarded_d(ss_guarded_third) -> tuple[str, int]:
-    """``(url, side_port)`` of a D that may contact prefill side channels on 127.0.0.1 only."""
-    return ss_guarded_third
+def guarded_d(ss_third) -> tuple[str, int]:
+    """``(url, side_port)`` of a D that may contact prefill side channels on 127.0.0.1 only
+    (``ss-c``, tests/integration/conftest.py)."""
+    return ss_third.url, ss_third.side_port
 
 
 def post_raw(url: str, path: str, body: dict) -> tuple[int, dict]:

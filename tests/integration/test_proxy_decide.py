@@ -11,9 +11,10 @@ in-process proxy, like tests/integration/test_proxy_splitserve.py; ss-a served d
 colocated reference (a ``kv_both`` server asked without transfer params serves a request whole).
 
 The last test puts the adaptive budget where it belongs, on D: a third server of the pair
-(``ss-adaptive-d``, started and stopped by this module) runs ``AdaptiveChunkScheduler`` with an
-unreachable target, and D's own ``/metrics`` show its budget at the minimum while a local
-prefill meets running decodes and at the maximum once they ended.
+(``ss-c``, tests/integration/conftest.py; test_discovery and test_prefill_allowlist use it next)
+runs ``AdaptiveChunkScheduler`` with an unreachable target, and D's own ``/metrics`` show its
+budget at the minimum while a local prefill meets running decodes and at the maximum once they
+ended.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from cpu_placement import UNPINNED
 from metrics_text import fetch_metrics, metric_sum, samples
 
-from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
 
@@ -201,9 +200,7 @@ def test_aux_endpoints_answer_as_the_engine(ss_pair, deciding_proxy) -> None:
 
 # ------------------------------------------------ the adaptive budget on D, under local prefill
 
-ADAPTIVE_D = "ss-adaptive-d"
-SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
-# The budget's bounds on that D: the pair's --max-num-batched-tokens, and a minimum set here.
+# The budget's bounds on that D: the pair's --max-num-batched-tokens, and ss-c's minimum.
 MIN_CHUNK, MAX_CHUNK = 128, 512
 HEAD_TOKENS, TAIL_TOKENS = 896, 640  # a follow-up: 7 of its 12 blocks held on D, the rest local
 # Short prompts decoding on D while the follow-up arrives; they are cut by their client once it
@@ -219,44 +216,13 @@ CHOSEN = "splitserve_scheduler_prefill_budget_chosen_tokens_bucket"
 
 
 @pytest.fixture(scope="module")
-def adaptive_decode(ss_pair, servers, tiny_model, tmp_path_factory) -> Iterator[str]:
+def adaptive_decode(ss_third) -> str:
     """A third server of the pair, a D running the adaptive scheduler as ``splitserve up``
-    deploys D, with a 1 µs ITL target: unreachable (1 ms was not, on a CI run), so its budget is
-    exactly ``MAX_CHUNK`` on a step without decodes and ``MIN_CHUNK`` on a step with decodes, a
-    fact of the workload and not of timing (tests/integration/test_adaptive_scheduler.py).
-    ``PROMETHEUS_MULTIPROC_DIR`` puts the scheduler's metrics (EngineCore) on the server's own
-    ``/metrics``. Its own server rather than ss-b, so the pair's other modules keep their default
-    scheduler; stopped when this module ends."""
-    settings = {"splitserve_scheduler": {"target_itl_ms": 0.001, "min_chunk": MIN_CHUNK}}
-    server = servers.vllm(
-        ADAPTIVE_D,
-        tiny_model,
-        kv_transfer_config=ss_pair.kv_config(free_ports(1)[0]),
-        extra_args=[
-            *ss_pair.extra_args,
-            "--max-model-len",  # the later flag wins: this D holds the streams' long contexts
-            str(ADAPTIVE_D_MAX_LEN),
-            "--scheduler-cls",
-            SCHEDULER_CLS,
-            "--additional-config",
-            json.dumps(settings),
-        ],
-        # Unpinned with one OpenMP thread, as the pair's other third servers (cpu_placement.py):
-        # pinned beside ss-a, the two engines share a core and P's side channel misses its
-        # handshake bounds.
-        cpu_core=None,
-        env={
-            **UNPINNED,
-            "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("adaptive-d-prometheus")),
-        },
-    )
-    servers.wait_all("ss-a", ADAPTIVE_D)
-    try:
-        yield server.url
-    finally:
-        stopped = servers.group.servers.pop(ADAPTIVE_D, None)
-        if stopped is not None:
-            stopped.process.stop()
+    deploys D (``ss-c``, tests/integration/conftest.py: shared with the next two modules) with
+    an unreachable ITL target, so its budget is exactly ``MAX_CHUNK`` on a step without decodes
+    and ``MIN_CHUNK`` on a step with decodes, and its own ``/metrics`` show it."""
+    assert (ss_third.min_chunk, ss_third.max_model_len) == (MIN_CHUNK, ADAPTIVE_D_MAX_LEN)
+    return ss_third.url
 
 
 @pytest.fixture(scope="module")

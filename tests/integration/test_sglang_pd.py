@@ -72,9 +72,10 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fronts(servers, tiny_model, sglang_pd):
-    """(single server URL, proxy URL, router URL), started once per session."""
-    assert sglang_pd.chunk == CHUNK
+def single_starting(servers, tiny_model) -> None:
+    """``sglang-single`` started, not waited for: requested before ``sglang_pd`` (``fronts``),
+    it starts beside the pair instead of after it (three start-ups share the two cores; one
+    wait fewer in a row)."""
     group = servers.group
     if "sglang-single" not in group.servers:
         s_port = free_port()
@@ -82,6 +83,13 @@ def fronts(servers, tiny_model, sglang_pd):
             str(tiny_model), s_port, served_model_name="tiny", chunked_prefill_size=CHUNK
         )
         group.add("sglang-single", single.argv, port=s_port, env=single.env)
+
+
+@pytest.fixture(scope="module")
+def fronts(servers, single_starting, sglang_pd):
+    """(single server URL, proxy URL, router URL), started once per session."""
+    assert sglang_pd.chunk == CHUNK
+    group = servers.group
     if "sglang-proxy" not in group.servers:
         proxy_port = free_port()
         argv = [sys.executable, "-m", "splitserve.cli", "proxy", "--engine", "sglang"]
