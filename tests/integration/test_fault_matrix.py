@@ -341,57 +341,53 @@ def test_clients_leave_at_random_points_of_a_long_prompt(fleet, first_token):
     kv_free(fleet)
 
 
-def test_p_killed_mid_prefill_is_retried_on_the_other_pair(fleet):
-    """Two P; the one computing a 3,600-token prompt is SIGKILLed mid-prefill (nothing reached
-    the client yet): the proxy retries on the other pair and the streamed answer is the
-    colocated one. KV is free on the survivors; the dead P, restarted on its ports, is readmitted
-    by the proxy's health checks; the next requests (one per P) are correct."""
+def test_p_killed_mid_prefill_is_retried_with_two_p_and_ends_cleanly_with_one(fleet):
+    """``fm-p1`` SIGKILLed mid-prefill with two 3,600-token requests on it (one computing, the
+    other queued behind it; nothing reached either client), each sent by a proxy of its own:
+
+    - one that knows two P: it retries on the other pair, and the streamed answer is the
+      colocated one;
+    - one that knows only ``fm-p1``, while D holds a registration for it: its client gets a
+      clean error (no other pair to retry on) within the bound.
+
+    KV is free on the survivors; ``fm-p1`` restarts on its same HTTP and side-channel ports and
+    both proxies' health checks readmit it; D, whose side-channel connection was to the dead P,
+    serves with the new one. Through the two-P proxy the next requests (one per P) are correct;
+    through the one-P proxy, of the next four at most one fails, the others are the colocated
+    answers. (One kill and one restart for both cases: a restart is most of a case's time.)"""
     fleet.wait()
-    prompt = text_prompt(LONG_WORDS, 10)
-    ref = colocated(fleet, prompt)
-    with proxy(fleet, ["fm-p1", "fm-p2"]) as running, ThreadPoolExecutor(1) as pool:
-        future = pool.submit(send, running.url, body_for(prompt, stream=True))
-        victim = "fm-p1"  # round robin: the first request goes to the first P
-        in_prefill(running, backend_of(running.state.prefill, fleet.url(victim)))
-        fleet.kill(victim)
-        answer = future.result(timeout=REQUEST_S + 30)
+    retried_prompt, single_prompt = text_prompt(LONG_WORDS, 10), text_prompt(LONG_WORDS, 30)
+    ref = colocated(fleet, retried_prompt)
+    refs = [colocated(fleet, text_prompt(200, 31 + i)) for i in range(4)]
+    with (
+        proxy(fleet, ["fm-p1", "fm-p2"]) as two_p,
+        proxy(fleet, ["fm-p1"]) as one_p,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        retried = pool.submit(send, two_p.url, body_for(retried_prompt, stream=True))
+        single = pool.submit(send, one_p.url, body_for(single_prompt))
+        # round robin: the two-P proxy's first request goes to its first P, fm-p1
+        in_prefill(two_p, backend_of(two_p.state.prefill, fleet.url("fm-p1")))
+        in_prefill(one_p, one_p.state.prefill.backends[0])
+        fleet.kill("fm-p1")
+        answer = retried.result(timeout=REQUEST_S + 30)
         assert answer.text == ref, f"{answer}\n{hints(fleet)}"
         assert answer.seconds < REQUEST_S
-        survivor = "fm-p2" if victim == "fm-p1" else "fm-p1"
-        kv_free(fleet, (survivor, "fm-d"))
-        fleet.restart(victim)
-        fleet.wait(victim)
-        backend = backend_of(running.state.prefill, fleet.url(victim))
-        wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
-        for i in range(2):  # round robin: each P serves one
-            check_next(fleet, running.url, 20 + i, stream=bool(i))
-    kv_free(fleet)
-
-
-def test_single_p_killed_then_restarted_on_its_ports_under_a_live_d(fleet):
-    """One P, SIGKILLed mid-prefill while D holds a registration for it: the client gets a
-    clean error (no other pair to retry on) within the bound. P restarts on the same HTTP and
-    side-channel ports; D, whose side-channel connection was to the dead P, serves with the new
-    one: of the next requests at most one fails, the others are the colocated answers."""
-    fleet.wait()
-    prompt = text_prompt(LONG_WORDS, 30)
-    refs = [colocated(fleet, text_prompt(200, 31 + i)) for i in range(4)]
-    with proxy(fleet, ["fm-p1"]) as running, ThreadPoolExecutor(1) as pool:
-        future = pool.submit(send, running.url, body_for(prompt))
-        in_prefill(running, running.state.prefill.backends[0])
-        fleet.kill("fm-p1")
-        answer = future.result(timeout=REQUEST_S + 30)
+        answer = single.result(timeout=REQUEST_S + 30)
         assert answer.text is None and answer.clean and answer.status >= 500, answer
-        kv_free(fleet, ("fm-d",))
+        kv_free(fleet, ("fm-p2", "fm-d"))
         fleet.restart("fm-p1")
         fleet.wait("fm-p1")
-        backend = running.state.prefill.backends[0]
-        wait_for(lambda: backend.healthy, "the restarted P readmitted by health checks")
-        answers = [send(running.url, body_for(text_prompt(200, 31 + i))) for i in range(4)]
+        for running in (two_p, one_p):
+            backend = backend_of(running.state.prefill, fleet.url("fm-p1"))
+            wait_for(lambda b=backend: b.healthy, "the restarted P readmitted by health checks")
+        for i in range(2):  # round robin: each P serves one
+            check_next(fleet, two_p.url, 20 + i, stream=bool(i))
+        answers = [send(one_p.url, body_for(text_prompt(200, 31 + i))) for i in range(4)]
     failed = [a for a in answers if a.text is None]
     assert len(failed) <= 1 and all(a.clean for a in failed), f"{answers}\n{hints(fleet)}"
-    for answer, ref in zip(answers, refs, strict=True):
-        assert answer.text in (None, ref), answer
+    for answer, want in zip(answers, refs, strict=True):
+        assert answer.text in (None, want), answer
     kv_free(fleet)
 
 
