@@ -85,9 +85,10 @@ class ServerPool:
 
         With ``wait=False`` it returns at once (start several, then ``wait_all``). One-rank
         servers run their worker in the engine-core process (``in_process_worker``), the layout
-        vLLM picks for one GPU and about 16 s faster to start here than the separate worker
-        process vLLM's CPU platform picks; that layout is covered by the tensor-parallel
-        module and by ``splitserve up`` (test_up), which keep vLLM's CPU default.
+        vLLM picks for one GPU, faster to start here than the separate worker process vLLM's
+        CPU platform picks (docs/environment.md, "Suite time"); that layout stays covered by
+        the tensor-parallel module and by ``splitserve up`` (test_up), which keep vLLM's CPU
+        default.
         """
         server = self.group.servers.get(key)
         if server is not None:

@@ -63,8 +63,8 @@ CPU_RING_ENV = {"SPLITSERVE_VLLM_SHM_SPIN_S": "0"}
 # (vLLM's ``UniProcExecutor``), the layout vLLM itself picks for one GPU. vLLM's CPU platform
 # otherwise forces a separate worker process (``MultiprocExecutor``) and keeps it only while
 # ``VLLM_ENABLE_V1_MULTIPROCESSING`` is on; the API server's engine client always runs the
-# engine core in its own process, whatever this says. One Python process fewer to spawn: a tiny
-# CPU server is ready in about 31 s instead of 47 (three vLLM imports, 12-14 s each, become two).
+# engine core in its own process, whatever this says. One Python process (one import of vLLM)
+# fewer to spawn per start: docs/environment.md, "Suite time".
 IN_PROCESS_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -145,7 +145,8 @@ def vllm_server(
     if cpu:
         full_env.update(CPU_EAGER_ENV)
         full_env.update({k: v for k, v in CPU_RING_ENV.items() if k not in os.environ})
-    if in_process_worker and ranks == 1 and "--distributed-executor-backend" not in argv:
+    explicit_executor = any(a.partition("=")[0] == "--distributed-executor-backend" for a in argv)
+    if in_process_worker and ranks == 1 and not explicit_executor:
         full_env.update(IN_PROCESS_WORKER_ENV)
     full_env.update(env or {})
     return ServerCommand(argv=argv, env=full_env)

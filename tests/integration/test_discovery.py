@@ -10,10 +10,9 @@ text through the proxy equals a colocated server's throughout.
 Servers: the connector tests' pair (``ss_pair``: ``ss-a`` prefills, ``ss-b`` decodes) and a
 third server of the pair, ``ss-c``, the second D (deployed as ``splitserve up`` deploys D, with
 the adaptive budget, the prefill allowlist and the request guard; test_proxy_decide's and
-test_prefill_allowlist's D). The servers all listen
-on 127.0.0.1, so the DNS names are SRV records (each server's own port), as a headless Service
-publishes for a named port; the A-record path is checked against the same dnsmasq without
-engines.
+test_prefill_allowlist's D). The servers all listen on 127.0.0.1, so the DNS names are SRV
+records (each server's own port), as a headless Service publishes for a named port; the
+A-record path is checked against the same dnsmasq without engines.
 """
 
 from __future__ import annotations

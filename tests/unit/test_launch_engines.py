@@ -68,5 +68,8 @@ def test_in_process_worker_only_for_one_rank_without_an_explicit_executor():
     assert vllm_server("m", 8000, in_process_worker=True, cpu=False).env[flag] == "0"
     several = vllm_server("m", 8000, extra_args=["-tp", "2"], in_process_worker=True)
     assert flag not in several.env
-    explicit = ["--distributed-executor-backend", "mp"]
-    assert flag not in vllm_server("m", 8000, extra_args=explicit, in_process_worker=True).env
+    for explicit in (
+        ["--distributed-executor-backend", "mp"],
+        ["--distributed-executor-backend=mp"],
+    ):
+        assert flag not in vllm_server("m", 8000, extra_args=explicit, in_process_worker=True).env
