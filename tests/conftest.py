@@ -9,12 +9,13 @@ session ends (also when it fails).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,60 @@ class ServerPool:
     """Session-wide cache of running servers, keyed by what the test asks for."""
 
     def __init__(self, group: ServerGroup) -> None:
-        self.group = group
+        self._group = group
         self._specs: dict[str, dict[str, Any]] = {}  # how each key was started, for a retry
+        self._ahead: threading.Thread | None = None
+        self._cancel_ahead = threading.Event()
+
+    @property
+    def group(self) -> ServerGroup:
+        """The pool's group, once the start-ahead (if any) is done with it."""
+        self._settle_ahead()
+        return self._group
+
+    def start_ahead(self, starters: Sequence[Callable[[], Sequence[str]]]) -> None:
+        """Run ``starters`` (each starts servers with ``wait=False`` and returns their keys) on a
+        background thread, one at a time: each waits until the servers of the one before are
+        ready (or failed), so that one start at a time takes the core the unit tests leave idle.
+
+        Nothing else touches the pool meanwhile: every other method first waits for the thread
+        (``_settle_ahead``), and a server that failed to start ahead is started again by the
+        module that asks for it, as any failed start is."""
+
+        def run() -> None:
+            for starter in starters:
+                if self._cancel_ahead.is_set():
+                    return
+                try:
+                    keys = starter()
+                except Exception:
+                    logger.exception("starting ahead failed; the module starts it itself")
+                    continue
+                self._wait_quietly(keys)
+
+        self._ahead = threading.Thread(target=run, name="start-ahead", daemon=True)
+        self._ahead.start()
+
+    def _wait_quietly(self, keys: Sequence[str]) -> None:
+        """Until each server answers its probe, died, or took ``SERVER_START_TIMEOUT``; raises
+        nothing (whoever asks for the server waits again, with the pool's retries)."""
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        pending = [self.group.servers[key] for key in keys if key in self.group.servers]
+        while pending and time.monotonic() < deadline and not self._cancel_ahead.is_set():
+            pending = [s for s in pending if s.process.alive() and not s.probe()]
+            time.sleep(0.5)
+
+    def _settle_ahead(self) -> None:
+        """Wait for the start-ahead thread (not from the thread itself)."""
+        ahead = self._ahead
+        if ahead is not None and ahead is not threading.current_thread():
+            ahead.join()
+            self._ahead = None
+
+    def stop(self) -> None:
+        """Stop the start-ahead (between two starts) and every server of the group."""
+        self._cancel_ahead.set()
+        self.group.stop()
 
     def vllm(
         self,
@@ -185,9 +238,9 @@ INTEGRATION_ORDER = [
     "test_control_plane.py",  # "ss-a", "ss-b"
     "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
     "test_proxy_sglang.py",  # the same pair
+    "test_sglang_failures.py",  # the same pair (its last user), "sglang-single" as reference
     "test_sglang_server.py",
     "test_engines_cross_host.py",  # "sglang-single" as reference; its own test-bed pairs
-    "test_sglang_failures.py",  # "sglang-single" as reference, while it still runs
     "test_up.py",  # its own deployment, not the pool
 ]
 
@@ -219,14 +272,46 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             group.protect_since = time.monotonic()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def start_first_servers_ahead(request: pytest.FixtureRequest) -> None:
+    """When the session runs unit tests before integration modules, start the first modules'
+    servers (tests/integration/first_servers.py) while the unit tests run: those use one core,
+    and a server start (imports, mostly one process at a time) fits on the other. About three
+    minutes of unit tests overlap the starts that the first modules would otherwise wait for.
+    ``SPLITSERVE_TEST_START_AHEAD=0`` turns it off."""
+    if os.environ.get("SPLITSERVE_TEST_START_AHEAD", "1") == "0":
+        return
+    items = request.session.items
+    if not items or _module_rank(items[0]) != 0:
+        return  # no unit tests first: nothing to overlap
+    modules = {Path(str(item.fspath)).name for item in items if _module_rank(item) > 0}
+    ahead = [name for name in INTEGRATION_ORDER if name in modules]
+    if not ahead:
+        return
+    import first_servers  # tests/integration, on sys.path since its modules were collected
+
+    starters: list[Callable[..., list[str]]] = []
+    for module in ahead:
+        for starter in first_servers.AHEAD.get(module, ()):
+            if starter not in starters:
+                starters.append(starter)
+    if not starters:
+        return
+    pool: ServerPool = request.getfixturevalue("servers")
+    model = request.getfixturevalue("tiny_model")
+    factory = request.getfixturevalue("tmp_path_factory")
+    pool.start_ahead([functools.partial(starter, pool, model, factory) for starter in starters])
+
+
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
     group = ServerGroup(tmp_path_factory.mktemp("server-logs"), max_running=MAX_RUNNING_SERVERS)
     _GROUPS.append(group)
+    pool = ServerPool(group)
     try:
-        yield ServerPool(group)
+        yield pool
     finally:
-        group.stop()
+        pool.stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:

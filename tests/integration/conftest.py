@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 from cpu_placement import UNPINNED
 from session_keys import TEST_KEY, key_env, test_key_file
+from sglang_pd_env import SGLANG_D_ENV, SGLANG_PD_ENV, SGLANG_PD_KEYS
 
 SGLANG_PD_CHUNK = 64
 SGLANG_START_TIMEOUT = 600.0
@@ -138,35 +139,41 @@ def ss_third(ss_pair, servers, tiny_model, tmp_path_factory) -> ThirdServer:
 
 
 @dataclass(frozen=True)
-class SglangPD:
-    """A real SGLang PD pair (splitserve's transfer backend on host memory) and SGLang's router."""
+class SglangPair:
+    """A real SGLang PD pair (splitserve's transfer backend on host memory)."""
 
     prefill_url: str
     decode_url: str
     bootstrap_port: int
-    router_url: str
     chunk: int = SGLANG_PD_CHUNK
 
 
+@dataclass(frozen=True)
+class SglangPD(SglangPair):
+    """The pair and SGLang's router in front of it."""
+
+    router_url: str = ""
+
+
 @pytest.fixture(scope="module")
-def sglang_pd(servers, tiny_model) -> SglangPD:
-    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode`` / ``sglang-router``: P and D run
+def sglang_pair(servers, tiny_model) -> SglangPair:
+    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode``: P and D run
     ``--disaggregation-transfer-backend splitserve`` (registered by splitserve's SGLang plugin)
     and chunk prefill by ``SGLANG_PD_CHUNK`` tokens. Our backend registers host memory as host
     memory and runs no NIXL progress thread, so no CPU shim and no nice level. Both run with
     ``--enable-metrics`` (our backend's ``sglang:splitserve_*`` metrics on their ``/metrics``)
-    and ``SPLITSERVE_SGLANG_TIMELINE=1`` (its per-request timeline in their logs)."""
+    and ``SGLANG_PD_ENV``; D also with ``SGLANG_D_ENV``. Shared by test_sglang_pd,
+    test_proxy_sglang and test_sglang_failures (which kills, restarts and freezes them)."""
     pytest.importorskip("sglang")
-    pytest.importorskip("sglang_router")
-    from splitserve.launch.engines import sglang_router, sglang_server
+    from splitserve.launch.engines import sglang_server
     from splitserve.launch.process import ProcessStartError
     from splitserve.netutil import free_ports
 
     group = servers.group
     model = str(tiny_model)
-    names = ["sglang-pd-prefill", "sglang-pd-decode"]
+    names = list(SGLANG_PD_KEYS)
     for attempt in range(1, SGLANG_PD_START_ATTEMPTS + 1):
-        if "sglang-pd-prefill" not in group.servers:
+        if any(name not in group.servers for name in names):
             for name in names:  # a pair is started together, on ports picked together
                 stale = group.servers.pop(name, None)
                 if stale is not None:
@@ -177,30 +184,62 @@ def sglang_pd(servers, tiny_model) -> SglangPD:
                 transfer_backend="splitserve",
                 chunked_prefill_size=SGLANG_PD_CHUNK,
                 extra_args=["--enable-metrics"],
-                env={"SPLITSERVE_SGLANG_TIMELINE": "1"},
             )
-            p = sglang_server(model, p_port, mode="prefill", bootstrap_port=bootstrap, **common)
-            d = sglang_server(model, d_port, mode="decode", **common)
-            group.add("sglang-pd-prefill", p.argv, port=p_port, env={**p.env, **key_env()})
-            group.add("sglang-pd-decode", d.argv, port=d_port, env={**d.env, **key_env()})
+            p = sglang_server(
+                model,
+                p_port,
+                mode="prefill",
+                bootstrap_port=bootstrap,
+                env={**SGLANG_PD_ENV, **key_env()},
+                **common,
+            )
+            d = sglang_server(
+                model,
+                d_port,
+                mode="decode",
+                env={**SGLANG_PD_ENV, **SGLANG_D_ENV, **key_env()},
+                **common,
+            )
+            group.add(names[0], p.argv, port=p_port, env=p.env)
+            group.add(names[1], d.argv, port=d_port, env=d.env)
         try:
             group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
             break
         except ProcessStartError:
             # A port picked free can be taken before the server binds it (CI: "address
             # already in use" on P's HTTP port): start the pair again on fresh ports.
-            group.servers.pop("sglang-pd-prefill", None)
             if attempt == SGLANG_PD_START_ATTEMPTS:
                 raise
-    p_server = group.servers["sglang-pd-prefill"]
+    p_server = group.servers[names[0]]
     argv = p_server.process.argv
     bootstrap = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
-    d_url = group.servers["sglang-pd-decode"].url
+    return SglangPair(p_server.url, group.servers[names[1]].url, bootstrap)
+
+
+@pytest.fixture(scope="module")
+def sglang_pd(servers, sglang_pair) -> SglangPD:
+    """``sglang_pair`` and SGLang's router in front of it (key ``sglang-router``)."""
+    pytest.importorskip("sglang_router")
+    from splitserve.launch.engines import sglang_router
+    from splitserve.netutil import free_ports
+
+    group = servers.group
+    router = group.servers.get("sglang-router")
+    if router is not None and sglang_pair.prefill_url not in router.process.argv:
+        servers.release("sglang-router")  # in front of a pair that was started again since
     if "sglang-router" not in group.servers:
         router_port, metrics_port = free_ports(2)
         router = sglang_router(
-            router_port, [(p_server.url, bootstrap)], [d_url], prometheus_port=metrics_port
+            router_port,
+            [(sglang_pair.prefill_url, sglang_pair.bootstrap_port)],
+            [sglang_pair.decode_url],
+            prometheus_port=metrics_port,
         )
         group.add("sglang-router", router.argv, port=router_port, env=router.env)
     group.wait(SGLANG_START_TIMEOUT, names=["sglang-router"], stop_group_on_failure=False)
-    return SglangPD(p_server.url, d_url, bootstrap, group.servers["sglang-router"].url)
+    return SglangPD(
+        sglang_pair.prefill_url,
+        sglang_pair.decode_url,
+        sglang_pair.bootstrap_port,
+        router_url=group.servers["sglang-router"].url,
+    )

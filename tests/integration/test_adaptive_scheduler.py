@@ -27,6 +27,7 @@ import textwrap
 import urllib.request
 
 import aiohttp
+import first_servers
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,7 +35,7 @@ from splitserve.netutil import free_port
 
 pytestmark = pytest.mark.integration
 
-SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+SCHEDULER_CLS = first_servers.SCHEDULER_CLS
 SHORT_PROMPTS = 3
 LONG_PROMPT_TOKENS = (700, 1100)  # several 128-token chunks each
 MAX_TOKENS = 48
@@ -49,31 +50,13 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def adaptive_and_default(servers, tiny_model, tmp_path_factory):
-    prometheus_dir = tmp_path_factory.mktemp("prometheus-multiproc")
-    settings = {
-        "splitserve_scheduler": {
-            "target_itl_ms": 0.001,
-            "log_interval_s": 5,
-            "share_prefill": True,
-            "share_always": True,  # the two long prompts are alike: shared in either order
-        }
-    }
-    adaptive = servers.vllm(
-        "adaptive-scheduler",
-        tiny_model,
-        extra_args=[
-            "--scheduler-cls",
-            SCHEDULER_CLS,
-            "--additional-config",
-            json.dumps(settings),
-            "--no-enable-prefix-caching",
-        ],
-        env={"PROMETHEUS_MULTIPROC_DIR": str(prometheus_dir)},
-        wait=False,
-    )
-    default = servers.vllm("unified", tiny_model, wait=False)
-    servers.wait_all("adaptive-scheduler", "unified")
-    return adaptive, default
+    """(adaptive, default): started as tests/integration/first_servers.py says (ahead, while
+    the unit tests ran, when the session has them)."""
+    keys = first_servers.adaptive_scheduler(servers, tiny_model, tmp_path_factory)
+    keys += first_servers.unified(servers, tiny_model, tmp_path_factory)
+    servers.wait_all(*keys)
+    running = servers.group.servers
+    return running[first_servers.ADAPTIVE], running[first_servers.UNIFIED]
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> list[int]:

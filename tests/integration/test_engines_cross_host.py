@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from first_servers import NIXL, NIXL_SPINNER_NICE
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from test_fault_matrix import body_for as text_body
 from test_fault_matrix import send, text_prompt, wait_for
-from test_proxy_vllm import NIXL, NIXL_EXPIRY_MARKS, NIXL_SPINNER_NICE
+from test_proxy_vllm import NIXL_EXPIRY_MARKS
 from test_transfer_cross_host import kv_protocols
 
 from splitserve.launch import engines

@@ -29,12 +29,11 @@ PROMPTS = ["hello world the quick brown fox", "the kv cache moves from prefill t
 
 
 @pytest.fixture(scope="module", autouse=True)
-def release_the_pair_after(servers) -> Iterator[None]:
-    """The last module of the SGLang PD pair (tests/conftest.py's module order): its servers
-    stop when it ends, so that the next modules' starts evict them and not ``sglang-single``,
-    which test_engines_cross_host and test_sglang_failures use next."""
+def release_the_fronts_after(servers) -> Iterator[None]:
+    """The last module of the router and of test_sglang_pd's proxy (tests/conftest.py's module
+    order): they stop when it ends. The pair stays for test_sglang_failures, next."""
     yield
-    servers.release("sglang-pd-prefill", "sglang-pd-decode", "sglang-router", "sglang-proxy")
+    servers.release("sglang-router", "sglang-proxy")
 
 
 @pytest.fixture(scope="module")

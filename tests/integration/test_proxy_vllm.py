@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
+import first_servers
 import openai
 import pytest
 from metrics_text import fetch_metrics, metric_sum, samples
@@ -28,7 +29,6 @@ from splitserve.proxy.config import build_config
 
 pytestmark = pytest.mark.integration
 
-NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 # What the stock connector logs when its KV lease (30 s) passed before D read a prefill's
 # blocks: it frees them, and D still uses what it reads (docs/environment.md). On a loaded
 # 2-core machine the niced pair passed 30 s once (a CI failure: two of four concurrent answers
@@ -36,13 +36,10 @@ NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device
 # slower here (the module took twice as long and failed otherwise), so the concurrent test runs
 # its round again when, and only when, these lines appeared during it.
 NIXL_EXPIRY_MARKS = ("Releasing expired KV blocks", "Potentially invalid KV blocks")
-# NixlConnector's NIXL progress thread holds a core even while idle: lower priority, so that the
-# pair does not starve the servers starting beside it (docs/environment.md).
-NIXL_SPINNER_NICE = 10
 # The plain server (no connector) that test_decode_killed_midstream kills: test_smoke_vllm's and
 # test_adaptive_scheduler's reference server, which no module after this one uses (one start
 # fewer than a server of this module's own).
-VICTIM = "unified"
+VICTIM = first_servers.UNIFIED
 PROMPTS = [
     "7 " + "hello world the quick brown fox " * 15,  # longer than a 128-token block
     "a short prompt",
@@ -51,34 +48,19 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def nixl_pair(servers, tiny_model) -> Iterator[tuple]:
-    """(P, D): stock vLLM with NixlConnector on host memory, one core each."""
-    side_p, side_d = free_ports(2)
-    started = []
-    for key, core, side in (("vllm-nixl-p", 0, side_p), ("vllm-nixl-d", 1, side_d)):
-        env = {
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
-        }
-        started.append(
-            servers.vllm(
-                key,
-                tiny_model,
-                kv_transfer_config=NIXL,
-                env=env,
-                cpu_core=core,
-                wait=False,
-                nice=NIXL_SPINNER_NICE,
-            )
-        )
+def nixl_pair(servers, tiny_model, tmp_path_factory) -> Iterator[tuple]:
+    """(P, D): stock vLLM with NixlConnector on host memory, one core each (started as
+    tests/integration/first_servers.py says: ahead, while the unit tests ran, when the session
+    has them)."""
+    keys = first_servers.stock_nixl_pair(servers, tiny_model, tmp_path_factory)
     # The victim is the plain server of the modules before (``VICTIM``, still running: this
     # module runs right after them, tests/conftest.py). Asked for now, so that a start of its
     # own (this module run alone) overlaps the pair's and is waited for here too: a server
     # starting at normal priority starves the niced pair's HTTP front ends, and the first
     # requests through the proxy then failed on its 5 s connect timeout (a CI failure).
-    servers.vllm(VICTIM, tiny_model, wait=False)
-    servers.wait_all("vllm-nixl-p", "vllm-nixl-d", VICTIM)
-    yield started[0], started[1]
+    keys += first_servers.unified(servers, tiny_model, tmp_path_factory)
+    servers.wait_all(*keys)
+    yield servers.group.servers[first_servers.NIXL_P], servers.group.servers[first_servers.NIXL_D]
     # Only this module uses the stock pair, whose NIXL progress threads spin both cores (niced)
     # until the pair is stopped: stop it now rather than when the next modules evict it.
     servers.release("vllm-nixl-p", "vllm-nixl-d")

@@ -7,17 +7,21 @@
   (well within the backend's DONE timeout), the decode server frees its KV, and its next
   request (through its other prefill server) has the same tokens as before the kill.
 
-These servers are throwaway (keys ``sglang-fail-*``, started through the session's server group
-and stopped at the end of the module), never the shared pair. "While it streams" is observed,
-not timed: the kill happens once the prefill server logged the first chunk of the request, which
-it only computes after the decode server registered (SGLang prefills a PD request once bootstrap
-is done), and the prompt is 40 chunks long.
+The servers: the session's SGLang PD pair (``sglang-pd-prefill`` / ``sglang-pd-decode``, the
+``sglang_pair`` fixture of tests/integration/conftest.py, whose environment is this module's:
+tests/integration/sglang_pd_env.py), which this module runs after test_sglang_pd.py and
+test_proxy_sglang.py, as their last user (it kills, restarts and freezes them, and stops them at
+its end); and the victims that a kill does not bring back, throwaway (keys ``sglang-fail-d1``
+and ``sglang-fail-p2``, stopped at the end of the module). "While it streams" is observed, not
+timed: the kill happens once the prefill server logged the first chunk of the request, which it
+only computes after the decode server registered (SGLang prefills a PD request once bootstrap is
+done), and the prompt is 40 chunks long.
 
 The SGLang rows of the fault matrix (issue #20; tests/integration/test_fault_matrix.py has the
 vLLM rows, whose pass criterion these share: every request ends within its bound with a clear
 error or the single server's greedy answer, KV usage on P and D is back to its baseline within
 the lease, the next request is correct), each through our proxy (``splitserve proxy --engine
-sglang``, what users run in front of a pair) over ``sglang-fail-p1`` / ``sglang-fail-d2``:
+sglang``, what users run in front of a pair) over the pair:
 
 - clients that go away at a random point in 0-3 s of a ~4,000-token streamed prompt
   (``ROUNDS`` times, ``SPLITSERVE_FAULT_ROUNDS`` lowers it);
@@ -53,6 +57,7 @@ import pytest
 from completion_client import Outcome
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
+from sglang_pd_env import SGLANG_D_ENV, SGLANG_LEASE_S, SGLANG_PD_ENV, SGLANG_PD_KEYS
 
 pytest.importorskip("sglang")
 
@@ -69,12 +74,9 @@ LONG = 40 * CHUNK
 START_TIMEOUT = 600.0
 START_ATTEMPTS = 3  # a server that fails to start is started again on fresh ports
 WAIT_S = 300.0  # bound on every wait below (a loaded 2-core machine is slow, never hung)
-LEASE_S = 10.0  # small, so that a freeze can outlast it (docs/sglang.md, "Failures")
-ENV = {"SPLITSERVE_SGLANG_DONE_TIMEOUT_S": "120", "SPLITSERVE_SGLANG_LEASE_S": str(LEASE_S)}
-# D's own heartbeats to P's bootstrap server (SGLang's, 5 s by default) are stretched past any
-# test: a D must recover from a P restarted on its ports through our backend alone (a fast
-# restart answers those heartbeats again before they count P lost).
-D_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "3600"}
+LEASE_S = SGLANG_LEASE_S  # small, so that a freeze can outlast it (docs/sglang.md, "Failures")
+ENV = SGLANG_PD_ENV  # the victims run as the pair does
+D_ENV = SGLANG_D_ENV
 CHUNK_MARK = f"#new-token: {CHUNK},"
 FAULT_LONG = 62 * CHUNK  # 3,968 tokens: the matrix's ~4,000-token prompt
 MAX_TOKENS = 8
@@ -82,17 +84,21 @@ REQUEST_S = 120.0  # the proxy's total_s: bound on one request (a loaded 2-core 
 KV_BOUND_S = LEASE_S + 60  # KV back to baseline: the lease, plus slack for a loaded machine
 # Client disconnects (the issue's 20 rounds; the vLLM matrix reads the same variable).
 ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "20"))
-P_KEY, D_KEY, SINGLE = "sglang-fail-p1", "sglang-fail-d2", "sglang-single"
+P_KEY, D_KEY = SGLANG_PD_KEYS
+SINGLE = "sglang-single"
+D_VICTIM, P_VICTIM = "sglang-fail-d1", "sglang-fail-p2"
+FAILED_MARK = "splitserve transfer failed"
 
 
 class Pair:
-    """Starts and stops this module's servers in the session's group."""
+    """The shared pair and this module's victims (started and stopped here), in the session's
+    group."""
 
-    def __init__(self, group, model: str) -> None:
+    def __init__(self, group, model: str, bootstrap_port: int) -> None:
         self.group, self.model = group, model
-        self.keys: list[str] = []
+        self.keys: list[str] = []  # the victims
         self.modes: dict[str, str] = {}
-        self.bootstrap: dict[str, int] = {}
+        self.bootstrap: dict[str, int] = {P_KEY: bootstrap_port}
 
     def start(self, key: str, mode: str) -> None:
         env = {**ENV, **key_env()}
@@ -161,16 +167,17 @@ class Pair:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(sig)
 
-    def ensure(self, key: str, mode: str) -> None:
-        """The server running (started, or restarted when a failed test left it dead)."""
+    def ensure(self, key: str) -> None:
+        """A server of the pair running (restarted when a failed test left it dead)."""
         server = self.group.servers.get(key)
-        if server is None:
-            self.start(key, mode)
-        elif not server.process.alive():
+        assert server is not None, f"{key} is gone from the session's servers"
+        if not server.process.alive():
             self.restart(key)
 
     def stop_all(self) -> None:
-        for key in self.keys:
+        """Stop the victims and the pair (this module is the pair's last user), each woken
+        first if a failed test left it frozen."""
+        for key in [*self.keys, *SGLANG_PD_KEYS]:
             server = self.group.servers.pop(key, None)
             if server is not None:
                 with contextlib.suppress(psutil.Error, TypeError):  # a frozen tree: wake it
@@ -181,8 +188,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(servers, tiny_model):
-    running = Pair(servers.group, str(tiny_model))
+def pair(servers, tiny_model, sglang_pair):
+    assert sglang_pair.chunk == CHUNK
+    running = Pair(servers.group, str(tiny_model), sglang_pair.bootstrap_port)
     try:
         yield running
     finally:
@@ -262,46 +270,48 @@ def stream_then_kill(pair: Pair, p_key: str, d_key: str, victim: str, seed: int)
 
 
 def test_decode_killed_mid_transfer_prefill_frees_and_keeps_serving(pair):
-    pair.start("sglang-fail-p1", "prefill")
-    pair.start("sglang-fail-d1", "decode")
-    pair.start("sglang-fail-d2", "decode")  # the D after the kill: started beside the others
-    pair.wait("sglang-fail-p1", "sglang-fail-d1", "sglang-fail-d2")
-    p_url = pair.url("sglang-fail-p1")
+    """P streams to a D (the victim) that is killed mid-prompt; P then serves the next request
+    with its other D (the pair's)."""
+    for key in (P_KEY, D_KEY):
+        pair.ensure(key)
+    pair.start(D_VICTIM, "decode")
+    pair.wait(P_KEY, D_KEY, D_VICTIM)
+    p_url = pair.url(P_KEY)
     baseline = used_tokens(p_url)
+    failed_before = pair.log(P_KEY).count(FAILED_MARK)
 
-    answers = stream_then_kill(pair, "sglang-fail-p1", "sglang-fail-d1", "sglang-fail-d1", 1)
-    status, body = answers["sglang-fail-p1"]
+    answers = stream_then_kill(pair, P_KEY, D_VICTIM, D_VICTIM, 1)
+    status, body = answers[P_KEY]
     assert status >= 400, f"prefill answered {status} {body} although its decode died"
     wait_for(lambda: used_tokens(p_url) <= baseline, "prefill KV back to baseline")
-    assert "splitserve transfer failed" in pair.log("sglang-fail-p1")
+    assert pair.log(P_KEY).count(FAILED_MARK) > failed_before
 
-    answers = Request(pair, "sglang-fail-p1", "sglang-fail-d2", prompt_of(2)[:200]).join()
-    status, body = answers["sglang-fail-d2"]
+    answers = Request(pair, P_KEY, D_KEY, prompt_of(2)[:200]).join()
+    status, body = answers[D_KEY]
     assert status == 200 and len(body["output_ids"]) == 8, (status, body)
-    assert answers["sglang-fail-p1"][0] == 200
+    assert answers[P_KEY][0] == 200
 
 
 def test_prefill_killed_decode_request_ends_with_an_error(pair):
     """...and the decode server, whose other prefill server stays up, then serves a request
     through that one with the same tokens as before the kill."""
-    for key, mode in (("sglang-fail-d2", "decode"), ("sglang-fail-p1", "prefill")):
-        if key not in pair.group.servers:
-            pair.start(key, mode)
-    pair.start("sglang-fail-p2", "prefill")
-    pair.wait("sglang-fail-p1", "sglang-fail-p2", "sglang-fail-d2")
-    d_url = pair.url("sglang-fail-d2")
+    for key in (P_KEY, D_KEY):
+        pair.ensure(key)
+    pair.start(P_VICTIM, "prefill")
+    pair.wait(P_KEY, D_KEY, P_VICTIM)
+    d_url = pair.url(D_KEY)
     short = prompt_of(4)[:200]
-    before = Request(pair, "sglang-fail-p1", "sglang-fail-d2", short).join()["sglang-fail-d2"]
+    before = Request(pair, P_KEY, D_KEY, short).join()[D_KEY]
     assert before[0] == 200, before
     baseline = used_tokens(d_url)
 
-    answers = stream_then_kill(pair, "sglang-fail-p2", "sglang-fail-d2", "sglang-fail-p2", 3)
-    status, body = answers["sglang-fail-d2"]
+    answers = stream_then_kill(pair, P_VICTIM, D_KEY, P_VICTIM, 3)
+    status, body = answers[D_KEY]
     assert status >= 400, f"decode answered {status} {body} although its prefill died"
     wait_for(lambda: used_tokens(d_url) <= baseline, "decode KV back to baseline")
     with urllib.request.urlopen(d_url + "/health", timeout=60) as resp:
         assert resp.status == 200
-    after = Request(pair, "sglang-fail-p1", "sglang-fail-d2", short).join()["sglang-fail-d2"]
+    after = Request(pair, P_KEY, D_KEY, short).join()[D_KEY]
     assert after[0] == 200 and after[1]["output_ids"] == before[1]["output_ids"], (before, after)
 
 
@@ -379,13 +389,13 @@ class Fronts:
 
 @pytest.fixture
 def fronts(pair, servers, tiny_model) -> Fronts:
-    """``sglang-fail-p1`` / ``sglang-fail-d2`` (whatever earlier tests left, started or
-    restarted as needed) and the single server."""
+    """The pair (restarted as needed when an earlier test left it dead) and the single
+    server."""
     group = servers.group
-    if SINGLE in group.servers:  # first: protected from the evictions the pair's starts make
+    if SINGLE in group.servers:  # first: protected from the evictions a start makes
         group.touch(SINGLE)
-    pair.ensure(P_KEY, "prefill")
-    pair.ensure(D_KEY, "decode")
+    pair.ensure(P_KEY)
+    pair.ensure(D_KEY)
     if SINGLE not in group.servers:
         port = free_port()
         cmd = sglang_server(

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import urllib.request
 
+import first_servers
 import pytest
 from metrics_text import fetch_metrics, metric_sum
 
@@ -41,8 +42,9 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unified(servers, tiny_model):
-    return servers.vllm("unified", tiny_model)
+def unified(servers, tiny_model, tmp_path_factory):
+    servers.wait_all(*first_servers.unified(servers, tiny_model, tmp_path_factory))
+    return servers.group.servers[first_servers.UNIFIED]
 
 
 _LOAD_PLUGINS_AS_VLLM_DOES = """
