@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import server_logs
+from module_order import INTEGRATION_ORDER
 
 from splitserve.launch.engines import tensor_parallel_size
 from splitserve.launch.group import Server, ServerGroup
@@ -84,6 +85,7 @@ class ServerPool:
         Nothing else touches the pool meanwhile: every other method first waits for the thread
         (``_settle_ahead``), and a server that failed to start ahead is started again by the
         module that asks for it, as any failed start is."""
+        self._settle_ahead()  # one start-ahead at a time
 
         def run() -> None:
             for starter in starters:
@@ -223,28 +225,6 @@ def with_fresh_side_ports(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-# Integration modules run in this order (unit tests first; modules not listed run last, in
-# their usual order): modules that share servers run next to each other, so a shared server is
-# still running when the next module asks for it instead of being stopped and started again.
-INTEGRATION_ORDER = [
-    "test_smoke_vllm.py",  # "unified"
-    "test_adaptive_scheduler.py",  # "unified", "adaptive-scheduler"
-    "test_proxy_vllm.py",  # stock NIXL pair; kills "unified" (its last user)
-    "test_connector_vllm.py",  # "ss-a", "ss-b"
-    "test_proxy_splitserve.py",  # "ss-a", "ss-b"
-    "test_proxy_decide.py",  # "ss-a", "ss-b"
-    "test_discovery.py",  # "ss-a", "ss-b", "ss-c"
-    "test_prefill_allowlist.py",  # "ss-a", "ss-b", "ss-c"
-    "test_control_plane.py",  # "ss-a", "ss-b"
-    "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
-    "test_proxy_sglang.py",  # the same pair
-    "test_sglang_failures.py",  # the same pair (its last user), "sglang-single" as reference
-    "test_sglang_server.py",
-    "test_engines_cross_host.py",  # "sglang-single" as reference; its own test-bed pairs
-    "test_up.py",  # its own deployment, not the pool
-]
-
-
 def _module_rank(item: pytest.Item) -> int:
     path = Path(str(item.fspath))
     if path.parent.name != "integration":
@@ -272,29 +252,30 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             group.protect_since = time.monotonic()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def start_first_servers_ahead(request: pytest.FixtureRequest) -> None:
-    """When the session runs unit tests before integration modules, start the first modules'
-    servers (tests/integration/first_servers.py) while the unit tests run: those use one core,
-    and a server start (imports, mostly one process at a time) fits on the other. About three
-    minutes of unit tests overlap the starts that the first modules would otherwise wait for.
-    ``SPLITSERVE_TEST_START_AHEAD=0`` turns it off."""
-    if os.environ.get("SPLITSERVE_TEST_START_AHEAD", "1") == "0":
-        return
+@pytest.fixture(scope="session")
+def ahead_plan(request: pytest.FixtureRequest) -> dict[str, list[Callable[..., list[str]]]]:
+    """Which servers to start ahead when which tests begin (tests/integration/starters.py),
+    for this session's modules. ``SPLITSERVE_TEST_START_AHEAD=0`` turns it off."""
     items = request.session.items
-    if not items or _module_rank(items[0]) != 0:
-        return  # no unit tests first: nothing to overlap
+    if os.environ.get("SPLITSERVE_TEST_START_AHEAD", "1") == "0" or not items:
+        return {}
     modules = {Path(str(item.fspath)).name for item in items if _module_rank(item) > 0}
-    ahead = [name for name in INTEGRATION_ORDER if name in modules]
-    if not ahead:
-        return
-    import first_servers  # tests/integration, on sys.path since its modules were collected
+    if not modules:
+        return {}
+    import starters  # tests/integration, on sys.path since its modules were collected
 
-    starters: list[Callable[..., list[str]]] = []
-    for module in ahead:
-        for starter in first_servers.AHEAD.get(module, ()):
-            if starter not in starters:
-                starters.append(starter)
+    in_order = [name for name in INTEGRATION_ORDER if name in modules]
+    return starters.plan(in_order, unit_first=_module_rank(items[0]) == 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_servers_ahead(request: pytest.FixtureRequest, ahead_plan) -> None:
+    """When a module that triggers a start-ahead begins (the first unit module, for the unit
+    tests), start those servers on a background thread (``ServerPool.start_ahead``): the unit
+    tests, and the integration modules that start no engine server, keep one core busy, and a
+    server start fits on the other. The modules that need them then find them running."""
+    trigger = "unit" if request.path.parent.name == "unit" else request.path.name
+    starters = ahead_plan.pop(trigger, None)  # popped: the unit trigger fires once
     if not starters:
         return
     pool: ServerPool = request.getfixturevalue("servers")

@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 
 import pytest
+import sglang_servers
 from cpu_placement import UNPINNED
-from session_keys import TEST_KEY, key_env, test_key_file
-from sglang_pd_env import SGLANG_D_ENV, SGLANG_PD_ENV, SGLANG_PD_KEYS
+from session_keys import TEST_KEY, test_key_file
 
-SGLANG_PD_CHUNK = 64
+SGLANG_PD_CHUNK = sglang_servers.CHUNK
 SGLANG_START_TIMEOUT = 600.0
 SGLANG_PD_START_ATTEMPTS = 3  # a pair that fails to start is started again on fresh ports
 
@@ -157,51 +157,20 @@ class SglangPD(SglangPair):
 
 @pytest.fixture(scope="module")
 def sglang_pair(servers, tiny_model) -> SglangPair:
-    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode``: P and D run
-    ``--disaggregation-transfer-backend splitserve`` (registered by splitserve's SGLang plugin)
-    and chunk prefill by ``SGLANG_PD_CHUNK`` tokens. Our backend registers host memory as host
-    memory and runs no NIXL progress thread, so no CPU shim and no nice level. Both run with
-    ``--enable-metrics`` (our backend's ``sglang:splitserve_*`` metrics on their ``/metrics``)
-    and ``SGLANG_PD_ENV``; D also with ``SGLANG_D_ENV``. Shared by test_sglang_pd,
-    test_proxy_sglang and test_sglang_failures (which kills, restarts and freezes them)."""
+    """Keys ``sglang-pd-prefill`` / ``sglang-pd-decode``, started as
+    tests/integration/sglang_servers.py says (``start_pair``: splitserve's transfer backend,
+    prefill chunked by ``SGLANG_PD_CHUNK`` tokens, metrics and the per-request timeline on).
+    Our backend registers host memory as host memory and runs no NIXL progress thread, so no
+    CPU shim and no nice level. Shared by test_sglang_pd, test_proxy_sglang and
+    test_sglang_failures (which kills, restarts and freezes them)."""
     pytest.importorskip("sglang")
-    from splitserve.launch.engines import sglang_server
     from splitserve.launch.process import ProcessStartError
-    from splitserve.netutil import free_ports
 
     group = servers.group
-    model = str(tiny_model)
-    names = list(SGLANG_PD_KEYS)
+    names = list(sglang_servers.SGLANG_PD_KEYS)
     for attempt in range(1, SGLANG_PD_START_ATTEMPTS + 1):
         if any(name not in group.servers for name in names):
-            for name in names:  # a pair is started together, on ports picked together
-                stale = group.servers.pop(name, None)
-                if stale is not None:
-                    stale.process.stop()
-            p_port, d_port, bootstrap = free_ports(3)
-            common = dict(
-                served_model_name="tiny",
-                transfer_backend="splitserve",
-                chunked_prefill_size=SGLANG_PD_CHUNK,
-                extra_args=["--enable-metrics"],
-            )
-            p = sglang_server(
-                model,
-                p_port,
-                mode="prefill",
-                bootstrap_port=bootstrap,
-                env={**SGLANG_PD_ENV, **key_env()},
-                **common,
-            )
-            d = sglang_server(
-                model,
-                d_port,
-                mode="decode",
-                env={**SGLANG_PD_ENV, **SGLANG_D_ENV, **key_env()},
-                **common,
-            )
-            group.add(names[0], p.argv, port=p_port, env=p.env)
-            group.add(names[1], d.argv, port=d_port, env=d.env)
+            sglang_servers.start_pair(servers, tiny_model)
         try:
             group.wait(SGLANG_START_TIMEOUT, names=names, stop_group_on_failure=False)
             break

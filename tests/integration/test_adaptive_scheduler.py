@@ -27,15 +27,15 @@ import textwrap
 import urllib.request
 
 import aiohttp
-import first_servers
 import pytest
+import starters
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.netutil import free_port
 
 pytestmark = pytest.mark.integration
 
-SCHEDULER_CLS = first_servers.SCHEDULER_CLS
+SCHEDULER_CLS = starters.SCHEDULER_CLS
 SHORT_PROMPTS = 3
 LONG_PROMPT_TOKENS = (700, 1100)  # several 128-token chunks each
 MAX_TOKENS = 48
@@ -50,13 +50,13 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def adaptive_and_default(servers, tiny_model, tmp_path_factory):
-    """(adaptive, default): started as tests/integration/first_servers.py says (ahead, while
+    """(adaptive, default): started as tests/integration/starters.py says (ahead, while
     the unit tests ran, when the session has them)."""
-    keys = first_servers.adaptive_scheduler(servers, tiny_model, tmp_path_factory)
-    keys += first_servers.unified(servers, tiny_model, tmp_path_factory)
+    keys = starters.adaptive_scheduler(servers, tiny_model, tmp_path_factory)
+    keys += starters.unified(servers, tiny_model, tmp_path_factory)
     servers.wait_all(*keys)
     running = servers.group.servers
-    return running[first_servers.ADAPTIVE], running[first_servers.UNIFIED]
+    return running[starters.ADAPTIVE], running[starters.UNIFIED]
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> list[int]:

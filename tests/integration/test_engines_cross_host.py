@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from first_servers import NIXL, NIXL_SPINNER_NICE
+import sglang_servers
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
+from starters import NIXL, NIXL_SPINNER_NICE
 from test_fault_matrix import body_for as text_body
 from test_fault_matrix import send, text_prompt, wait_for
 from test_proxy_vllm import NIXL_EXPIRY_MARKS
@@ -52,7 +53,6 @@ from test_transfer_cross_host import kv_protocols
 from splitserve.launch import engines
 from splitserve.launch import testbed as tbmod
 from splitserve.launch.group import ServerGroup
-from splitserve.netutil import free_port
 from splitserve.proxy import dispatch
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
@@ -63,14 +63,14 @@ VLLM_HTTP = 8000  # every host has its own ports: a fresh namespace has them all
 NIXL_SIDE = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT on each host
 SGLANG_HTTP = 8100  # not the NIXL pair's port: no TIME_WAIT of theirs in the way
 BOOTSTRAP = 8998  # P's --disaggregation-bootstrap-port
-CHUNK = 64  # as the session's sglang-single (and the loopback pair): the same numerics
+CHUNK = sglang_servers.CHUNK  # as sglang-single (and the loopback pair): the same numerics
 MAX_TOKENS = 8
 START_TIMEOUT = 600.0
 REQUEST_S = 90.0  # the proxy's total_s; test_fault_matrix.send's bound too
 KV_BOUND_S = 90.0  # KV back: stock NIXL's 30 s lease, plus slack for a loaded machine
 NIXL_KEYS = ("xe-nixl-p", "xe-nixl-d")
 SGLANG_KEYS = ("xe-sglang-p", "xe-sglang-d")
-SINGLE = "sglang-single"
+SINGLE = sglang_servers.SINGLE
 
 
 @dataclass
@@ -160,21 +160,15 @@ class SglangBed:
 
 
 @pytest.fixture(scope="module")
-def sglang(bed: Bed, tiny_model) -> SglangBed:
+def sglang(bed: Bed, servers, tiny_model) -> SglangBed:
     """P on host p, D on host d (our backend), our proxy on the proxy host, the session's
     single server as the reference. Another pair on the bed is stopped first."""
     pytest.importorskip("sglang")
     bed.stop_pairs()
     group, model = bed.group, str(tiny_model)
     p_host, d_host = bed.bed["p"], bed.bed["d"]
-    if SINGLE in group.servers:  # first: protected from the evictions the pair's start makes
-        group.touch(SINGLE)
-    else:  # the command line of test_sglang_pd.py's and test_sglang_failures.py's
-        port = free_port()
-        single = engines.sglang_server(
-            model, port, served_model_name="tiny", chunked_prefill_size=CHUNK
-        )
-        group.add(SINGLE, single.argv, port=port, env=single.env)
+    # First: protected from the evictions the pair's start makes.
+    sglang_servers.start_single(servers, tiny_model)
     bed.pairs[SGLANG_KEYS] = None
     for key, host, mode in (("xe-sglang-p", p_host, "prefill"),
                             ("xe-sglang-d", d_host, "decode")):  # fmt: skip

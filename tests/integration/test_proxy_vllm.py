@@ -18,9 +18,9 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
-import first_servers
 import openai
 import pytest
+import starters
 from metrics_text import fetch_metrics, metric_sum, samples
 
 from splitserve.netutil import free_ports
@@ -39,7 +39,7 @@ NIXL_EXPIRY_MARKS = ("Releasing expired KV blocks", "Potentially invalid KV bloc
 # The plain server (no connector) that test_decode_killed_midstream kills: test_smoke_vllm's and
 # test_adaptive_scheduler's reference server, which no module after this one uses (one start
 # fewer than a server of this module's own).
-VICTIM = first_servers.UNIFIED
+VICTIM = starters.UNIFIED
 PROMPTS = [
     "7 " + "hello world the quick brown fox " * 15,  # longer than a 128-token block
     "a short prompt",
@@ -50,17 +50,17 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def nixl_pair(servers, tiny_model, tmp_path_factory) -> Iterator[tuple]:
     """(P, D): stock vLLM with NixlConnector on host memory, one core each (started as
-    tests/integration/first_servers.py says: ahead, while the unit tests ran, when the session
+    tests/integration/starters.py says: ahead, while the unit tests ran, when the session
     has them)."""
-    keys = first_servers.stock_nixl_pair(servers, tiny_model, tmp_path_factory)
+    keys = starters.stock_nixl_pair(servers, tiny_model, tmp_path_factory)
     # The victim is the plain server of the modules before (``VICTIM``, still running: this
     # module runs right after them, tests/conftest.py). Asked for now, so that a start of its
     # own (this module run alone) overlaps the pair's and is waited for here too: a server
     # starting at normal priority starves the niced pair's HTTP front ends, and the first
     # requests through the proxy then failed on its 5 s connect timeout (a CI failure).
-    keys += first_servers.unified(servers, tiny_model, tmp_path_factory)
+    keys += starters.unified(servers, tiny_model, tmp_path_factory)
     servers.wait_all(*keys)
-    yield servers.group.servers[first_servers.NIXL_P], servers.group.servers[first_servers.NIXL_D]
+    yield servers.group.servers[starters.NIXL_P], servers.group.servers[starters.NIXL_D]
     # Only this module uses the stock pair, whose NIXL progress threads spin both cores (niced)
     # until the pair is stopped: stop it now rather than when the next modules evict it.
     servers.release("vllm-nixl-p", "vllm-nixl-d")

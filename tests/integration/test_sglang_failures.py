@@ -9,7 +9,7 @@
 
 The servers: the session's SGLang PD pair (``sglang-pd-prefill`` / ``sglang-pd-decode``, the
 ``sglang_pair`` fixture of tests/integration/conftest.py, whose environment is this module's:
-tests/integration/sglang_pd_env.py), which this module runs after test_sglang_pd.py and
+tests/integration/sglang_servers.py), which this module runs after test_sglang_pd.py and
 test_proxy_sglang.py, as their last user (it kills, restarts and freezes them, and stops them at
 its end); and the victims that a kill does not bring back, throwaway (keys ``sglang-fail-d1``
 and ``sglang-fail-p2``, stopped at the end of the module). "While it streams" is observed, not
@@ -54,10 +54,11 @@ from typing import Any
 import completion_client
 import psutil
 import pytest
+import sglang_servers
 from completion_client import Outcome
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
-from sglang_pd_env import SGLANG_D_ENV, SGLANG_LEASE_S, SGLANG_PD_ENV, SGLANG_PD_KEYS
+from sglang_servers import SGLANG_D_ENV, SGLANG_LEASE_S, SGLANG_PD_ENV, SGLANG_PD_KEYS
 
 pytest.importorskip("sglang")
 
@@ -85,7 +86,7 @@ KV_BOUND_S = LEASE_S + 60  # KV back to baseline: the lease, plus slack for a lo
 # Client disconnects (the issue's 20 rounds; the vLLM matrix reads the same variable).
 ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "20"))
 P_KEY, D_KEY = SGLANG_PD_KEYS
-SINGLE = "sglang-single"
+SINGLE = sglang_servers.SINGLE
 D_VICTIM, P_VICTIM = "sglang-fail-d1", "sglang-fail-p2"
 FAILED_MARK = "splitserve transfer failed"
 
@@ -392,16 +393,9 @@ def fronts(pair, servers, tiny_model) -> Fronts:
     """The pair (restarted as needed when an earlier test left it dead) and the single
     server."""
     group = servers.group
-    if SINGLE in group.servers:  # first: protected from the evictions a start makes
-        group.touch(SINGLE)
+    sglang_servers.start_single(servers, tiny_model)  # first: protected from evictions
     pair.ensure(P_KEY)
     pair.ensure(D_KEY)
-    if SINGLE not in group.servers:
-        port = free_port()
-        cmd = sglang_server(
-            str(tiny_model), port, served_model_name="tiny", chunked_prefill_size=CHUNK
-        )
-        group.add(SINGLE, cmd.argv, port=port, env=cmd.env)
     group.wait(START_TIMEOUT, names=[P_KEY, D_KEY, SINGLE], stop_group_on_failure=False)
     return Fronts(pair, group.servers[SINGLE].url, pair.url(P_KEY), pair.url(D_KEY))
 

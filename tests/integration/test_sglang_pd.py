@@ -24,12 +24,13 @@ import pytest
 pytest.importorskip("sglang")
 pytest.importorskip("sglang_router")
 
-from splitserve.launch.engines import sglang_server  # noqa: E402
+import sglang_servers  # noqa: E402
+
 from splitserve.netutil import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-CHUNK = 64  # the single server chunks like the shared pair (tests/integration/conftest.py)
+CHUNK = 64  # the single server chunks like the shared pair (tests/integration/sglang_servers.py)
 START_TIMEOUT = 600.0
 MAX_TOKENS = 8
 
@@ -73,16 +74,10 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def single_starting(servers, tiny_model) -> None:
-    """``sglang-single`` started, not waited for: requested before ``sglang_pd`` (``fronts``),
-    it starts beside the pair instead of after it (three start-ups share the two cores; one
-    wait fewer in a row)."""
-    group = servers.group
-    if "sglang-single" not in group.servers:
-        s_port = free_port()
-        single = sglang_server(
-            str(tiny_model), s_port, served_model_name="tiny", chunked_prefill_size=CHUNK
-        )
-        group.add("sglang-single", single.argv, port=s_port, env=single.env)
+    """``sglang-single`` started (or marked as used), not waited for: requested before
+    ``sglang_pd`` (``fronts``), it starts beside the pair instead of after it (three start-ups
+    share the two cores; one wait fewer in a row)."""
+    sglang_servers.start_single(servers, tiny_model)
 
 
 @pytest.fixture(scope="module")

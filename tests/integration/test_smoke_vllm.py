@@ -24,8 +24,8 @@ import subprocess
 import sys
 import urllib.request
 
-import first_servers
 import pytest
+import starters
 from metrics_text import fetch_metrics, metric_sum
 
 pytestmark = pytest.mark.integration
@@ -43,8 +43,8 @@ def _post(url: str, body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def unified(servers, tiny_model, tmp_path_factory):
-    servers.wait_all(*first_servers.unified(servers, tiny_model, tmp_path_factory))
-    return servers.group.servers[first_servers.UNIFIED]
+    servers.wait_all(*starters.unified(servers, tiny_model, tmp_path_factory))
+    return servers.group.servers[starters.UNIFIED]
 
 
 _LOAD_PLUGINS_AS_VLLM_DOES = """

@@ -1,0 +1,139 @@
+"""Servers started ahead, while tests that leave a core idle run: how the first integration
+modules start theirs (each module's fixture calls its starter here; the SGLang ones are in
+sglang_servers.py), and ``AHEAD``, the schedule that the pool's start-ahead
+(``ServerPool.start_ahead``, tests/conftest.py) follows. Both must start a key the same way:
+the pool hands whoever asks second the server the first one started.
+
+A starter adds its servers to the pool without waiting (``wait=False``) and returns their keys;
+whoever needs them waits (``servers.wait_all``). The unit tests keep one core busy for about
+three minutes, and so do the integration modules that start no engine server
+(``LIGHT_MODULES``, about two and a half minutes); a server start fits on the other core. The
+servers started ahead of a trigger fill the pool (``MAX_RUNNING_SERVERS``, 4) and no more, so
+that none is evicted before its module runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sglang_servers
+from module_order import LIGHT_MODULES
+
+from splitserve.netutil import free_ports
+
+UNIFIED = "unified"  # the plain server: test_smoke_vllm, test_adaptive_scheduler's reference
+ADAPTIVE = "adaptive-scheduler"
+NIXL_P, NIXL_D = "vllm-nixl-p", "vllm-nixl-d"
+
+SCHEDULER_CLS = "splitserve.schedulers.vllm.AdaptiveChunkScheduler"
+# test_adaptive_scheduler.py's settings (its docstring says why each is so).
+ADAPTIVE_SETTINGS = {
+    "splitserve_scheduler": {
+        "target_itl_ms": 0.001,
+        "log_interval_s": 5,
+        "share_prefill": True,
+        "share_always": True,  # the two long prompts are alike: shared in either order
+    }
+}
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+# NixlConnector's NIXL progress thread holds a core even while idle: lower priority, so that the
+# pair does not starve the servers starting beside it (docs/environment.md).
+NIXL_SPINNER_NICE = 10
+
+
+def unified(servers: Any, model: Path, tmp_path_factory: Any) -> list[str]:
+    """The plain server (no connector, vLLM's default scheduler)."""
+    servers.vllm(UNIFIED, model, wait=False)
+    return [UNIFIED]
+
+
+def adaptive_scheduler(servers: Any, model: Path, tmp_path_factory: Any) -> list[str]:
+    """``AdaptiveChunkScheduler`` with ``PROMETHEUS_MULTIPROC_DIR`` set, so that the metrics it
+    writes in the engine-core process appear on the API server's ``/metrics``."""
+    servers.vllm(
+        ADAPTIVE,
+        model,
+        extra_args=[
+            "--scheduler-cls",
+            SCHEDULER_CLS,
+            "--additional-config",
+            json.dumps(ADAPTIVE_SETTINGS),
+            "--no-enable-prefix-caching",
+        ],
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("prometheus-multiproc"))},
+        wait=False,
+    )
+    return [ADAPTIVE]
+
+
+def stock_nixl_pair(servers: Any, model: Path, tmp_path_factory: Any) -> list[str]:
+    """(P, D): stock vLLM with ``NixlConnector`` on host memory, one core each, niced."""
+    side_ports = free_ports(2)
+    for key, core, side in ((NIXL_P, 0, side_ports[0]), (NIXL_D, 1, side_ports[1])):
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+        }
+        servers.vllm(
+            key,
+            model,
+            kv_transfer_config=NIXL,
+            env=env,
+            cpu_core=core,
+            wait=False,
+            nice=NIXL_SPINNER_NICE,
+        )
+    return [NIXL_P, NIXL_D]
+
+
+Starter = Callable[[Any, Path, Any], list[str]]
+
+UNIT = "unit"  # the unit tests (tests/unit): one core busy, no server
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """Start ``start`` (one starter at a time) for ``module`` while ``during`` runs: the unit
+    tests (``UNIT``), or modules that start no engine server (the first of them in the session
+    that runs before ``module`` is when it begins)."""
+
+    module: str
+    during: tuple[str, ...]
+    start: tuple[Starter, ...]
+
+
+AHEAD = (
+    Ahead("test_smoke_vllm.py", (UNIT,), (unified,)),
+    Ahead("test_adaptive_scheduler.py", (UNIT,), (adaptive_scheduler, unified)),
+    # test_proxy_vllm's kill victim is ``unified``, started above.
+    Ahead("test_proxy_vllm.py", (UNIT,), (stock_nixl_pair,)),
+    Ahead(
+        "test_sglang_pd.py",
+        tuple(LIGHT_MODULES),
+        (sglang_servers.start_pair, sglang_servers.start_single),
+    ),
+)
+
+
+def plan(modules_in_order: list[str], unit_first: bool) -> dict[str, list[Starter]]:
+    """Per trigger (``UNIT`` or a module), the starters to run when it begins, in order and
+    each once: those of every ``Ahead`` whose module is in the session and one of whose
+    ``during`` runs before it. ``modules_in_order``: the session's integration modules."""
+    triggers: dict[str, list[Starter]] = {}
+    for ahead in AHEAD:
+        if ahead.module not in modules_in_order:
+            continue
+        before = modules_in_order[: modules_in_order.index(ahead.module)]
+        if UNIT in ahead.during and unit_first:
+            trigger = UNIT
+        else:
+            trigger = next((m for m in before if m in ahead.during), "")
+        if not trigger:
+            continue
+        queue = triggers.setdefault(trigger, [])
+        queue.extend(starter for starter in ahead.start if starter not in queue)
+    return triggers
