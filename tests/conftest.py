@@ -87,24 +87,27 @@ class ServerPool:
         module that asks for it, as any failed start is."""
         self._settle_ahead()  # one start-ahead at a time
 
+        # One bound for them all: a start that hangs holds up whoever waits for the thread
+        # at most this long, after which the module's own wait (and retry) applies.
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+
         def run() -> None:
             for starter in starters:
-                if self._cancel_ahead.is_set():
+                if self._cancel_ahead.is_set() or time.monotonic() > deadline:
                     return
                 try:
                     keys = starter()
                 except Exception:
                     logger.exception("starting ahead failed; the module starts it itself")
                     continue
-                self._wait_quietly(keys)
+                self._wait_quietly(keys, deadline)
 
         self._ahead = threading.Thread(target=run, name="start-ahead", daemon=True)
         self._ahead.start()
 
-    def _wait_quietly(self, keys: Sequence[str]) -> None:
-        """Until each server answers its probe, died, or took ``SERVER_START_TIMEOUT``; raises
-        nothing (whoever asks for the server waits again, with the pool's retries)."""
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
+    def _wait_quietly(self, keys: Sequence[str], deadline: float) -> None:
+        """Until each server answers its probe or died, or the deadline; raises nothing
+        (whoever asks for the server waits again, with the pool's retries)."""
         pending = [self.group.servers[key] for key in keys if key in self.group.servers]
         while pending and time.monotonic() < deadline and not self._cancel_ahead.is_set():
             pending = [s for s in pending if s.process.alive() and not s.probe()]
