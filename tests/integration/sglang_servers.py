@@ -32,38 +32,60 @@ SGLANG_PD_ENV = {
 SGLANG_D_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "3600"}
 SGLANG_PD_KEYS = ("sglang-pd-prefill", "sglang-pd-decode")
 SINGLE = "sglang-single"
+_PD_COMMON: dict[str, Any] = dict(
+    served_model_name="tiny",
+    transfer_backend="splitserve",
+    chunked_prefill_size=CHUNK,
+    extra_args=["--enable-metrics"],
+)
 
 
 def start_pair(servers: Any, model: Path, tmp_path_factory: Any = None) -> list[str]:
-    """P and D with ``--disaggregation-transfer-backend splitserve`` (registered by
-    splitserve's SGLang plugin), ``--enable-metrics`` (our backend's ``sglang:splitserve_*``
-    metrics on their ``/metrics``) and ``SGLANG_PD_ENV`` (D also ``SGLANG_D_ENV``), on ports
-    picked together. Whatever is left of an earlier pair is stopped first."""
-    group = servers.group
-    for name in SGLANG_PD_KEYS:
-        stale = group.servers.pop(name, None)
-        if stale is not None:
-            stale.process.stop()
-    p_port, d_port, bootstrap = free_ports(3)
-    common: dict[str, Any] = dict(
-        served_model_name="tiny",
-        transfer_backend="splitserve",
-        chunked_prefill_size=CHUNK,
-        extra_args=["--enable-metrics"],
+    """P and D (``start_prefill``, ``start_decode``), started together on ports picked
+    together (each picked alone could be the other's before it binds)."""
+    p_port, bootstrap, d_port = free_ports(3)
+    return start_prefill(servers, model, ports=(p_port, bootstrap)) + start_decode(
+        servers, model, port=d_port
     )
-    p = sglang_server(
+
+
+def _stop_stale(servers: Any, key: str) -> None:
+    stale = servers.group.servers.pop(key, None)
+    if stale is not None:
+        stale.process.stop()
+
+
+def start_prefill(
+    servers: Any, model: Path, tmp_path_factory: Any = None, ports: tuple[int, int] | None = None
+) -> list[str]:
+    """P: ``--disaggregation-transfer-backend splitserve`` (registered by splitserve's SGLang
+    plugin), ``--enable-metrics`` (our backend's ``sglang:splitserve_*`` metrics on its
+    ``/metrics``) and ``SGLANG_PD_ENV``. Whatever is left of an earlier P is stopped first."""
+    _stop_stale(servers, SGLANG_PD_KEYS[0])
+    port, bootstrap = ports or free_ports(2)
+    cmd = sglang_server(
         str(model),
-        p_port,
+        port,
         mode="prefill",
         bootstrap_port=bootstrap,
         env={**SGLANG_PD_ENV, **key_env()},
-        **common,
+        **_PD_COMMON,
     )
-    d_env = {**SGLANG_PD_ENV, **SGLANG_D_ENV, **key_env()}
-    d = sglang_server(str(model), d_port, mode="decode", env=d_env, **common)
-    group.add(SGLANG_PD_KEYS[0], p.argv, port=p_port, env=p.env)
-    group.add(SGLANG_PD_KEYS[1], d.argv, port=d_port, env=d.env)
-    return list(SGLANG_PD_KEYS)
+    servers.group.add(SGLANG_PD_KEYS[0], cmd.argv, port=port, env=cmd.env)
+    return [SGLANG_PD_KEYS[0]]
+
+
+def start_decode(
+    servers: Any, model: Path, tmp_path_factory: Any = None, port: int | None = None
+) -> list[str]:
+    """D, as P (``start_prefill``) and with ``SGLANG_D_ENV``. D learns P's bootstrap port per
+    request, so it needs nothing of P's to start."""
+    _stop_stale(servers, SGLANG_PD_KEYS[1])
+    port = port or free_port()
+    env = {**SGLANG_PD_ENV, **SGLANG_D_ENV, **key_env()}
+    cmd = sglang_server(str(model), port, mode="decode", env=env, **_PD_COMMON)
+    servers.group.add(SGLANG_PD_KEYS[1], cmd.argv, port=port, env=cmd.env)
+    return [SGLANG_PD_KEYS[1]]
 
 
 def start_single(servers: Any, model: Path, tmp_path_factory: Any = None) -> list[str]:

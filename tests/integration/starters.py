@@ -114,7 +114,7 @@ AHEAD = (
     Ahead(
         "test_sglang_pd.py",
         tuple(LIGHT_MODULES),
-        (sglang_servers.start_pair, sglang_servers.start_single),
+        (sglang_servers.start_prefill, sglang_servers.start_decode, sglang_servers.start_single),
     ),
 )
 
