@@ -179,10 +179,8 @@ def sglang_pair(servers, tiny_model) -> SglangPair:
             # already in use" on P's HTTP port): start the pair again on fresh ports.
             if attempt == SGLANG_PD_START_ATTEMPTS:
                 raise
-    p_server = group.servers[names[0]]
-    argv = p_server.process.argv
-    bootstrap = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
-    return SglangPair(p_server.url, group.servers[names[1]].url, bootstrap)
+    bootstrap = sglang_servers.bootstrap_port(servers, names[0])
+    return SglangPair(group.servers[names[0]].url, group.servers[names[1]].url, bootstrap)
 
 
 @pytest.fixture(scope="module")

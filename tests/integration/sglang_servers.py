@@ -49,6 +49,12 @@ def start_pair(servers: Any, model: Path, tmp_path_factory: Any = None) -> list[
     )
 
 
+def bootstrap_port(servers: Any, key: str) -> int:
+    """The bootstrap port a running P was started with (read from its command line)."""
+    argv = servers.group.servers[key].process.argv
+    return int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
+
+
 def _stop_stale(servers: Any, key: str) -> None:
     stale = servers.group.servers.pop(key, None)
     if stale is not None:
@@ -56,12 +62,17 @@ def _stop_stale(servers: Any, key: str) -> None:
 
 
 def start_prefill(
-    servers: Any, model: Path, tmp_path_factory: Any = None, ports: tuple[int, int] | None = None
+    servers: Any,
+    model: Path,
+    tmp_path_factory: Any = None,
+    ports: tuple[int, int] | None = None,
+    key: str = SGLANG_PD_KEYS[0],
 ) -> list[str]:
     """P: ``--disaggregation-transfer-backend splitserve`` (registered by splitserve's SGLang
     plugin), ``--enable-metrics`` (our backend's ``sglang:splitserve_*`` metrics on its
-    ``/metrics``) and ``SGLANG_PD_ENV``. Whatever is left of an earlier P is stopped first."""
-    _stop_stale(servers, SGLANG_PD_KEYS[0])
+    ``/metrics``) and ``SGLANG_PD_ENV``, as ``key`` (another key: a P beside the pair's, as
+    test_sglang_failures' victims). Whatever is left of an earlier one is stopped first."""
+    _stop_stale(servers, key)
     port, bootstrap = ports or free_ports(2)
     cmd = sglang_server(
         str(model),
@@ -71,21 +82,25 @@ def start_prefill(
         env={**SGLANG_PD_ENV, **key_env()},
         **_PD_COMMON,
     )
-    servers.group.add(SGLANG_PD_KEYS[0], cmd.argv, port=port, env=cmd.env)
-    return [SGLANG_PD_KEYS[0]]
+    servers.group.add(key, cmd.argv, port=port, env=cmd.env)
+    return [key]
 
 
 def start_decode(
-    servers: Any, model: Path, tmp_path_factory: Any = None, port: int | None = None
+    servers: Any,
+    model: Path,
+    tmp_path_factory: Any = None,
+    port: int | None = None,
+    key: str = SGLANG_PD_KEYS[1],
 ) -> list[str]:
     """D, as P (``start_prefill``) and with ``SGLANG_D_ENV``. D learns P's bootstrap port per
     request, so it needs nothing of P's to start."""
-    _stop_stale(servers, SGLANG_PD_KEYS[1])
+    _stop_stale(servers, key)
     port = port or free_port()
     env = {**SGLANG_PD_ENV, **SGLANG_D_ENV, **key_env()}
     cmd = sglang_server(str(model), port, mode="decode", env=env, **_PD_COMMON)
-    servers.group.add(SGLANG_PD_KEYS[1], cmd.argv, port=port, env=cmd.env)
-    return [SGLANG_PD_KEYS[1]]
+    servers.group.add(key, cmd.argv, port=port, env=cmd.env)
+    return [key]
 
 
 def start_single(servers: Any, model: Path, tmp_path_factory: Any = None) -> list[str]:

@@ -63,7 +63,7 @@ def nixl_pair(servers, tiny_model, tmp_path_factory) -> Iterator[tuple]:
     yield servers.group.servers[starters.NIXL_P], servers.group.servers[starters.NIXL_D]
     # Only this module uses the stock pair, whose NIXL progress threads spin both cores (niced)
     # until the pair is stopped: stop it now rather than when the next modules evict it.
-    servers.release("vllm-nixl-p", "vllm-nixl-d")
+    servers.release(starters.NIXL_P, starters.NIXL_D)
 
 
 @pytest.fixture(scope="module")

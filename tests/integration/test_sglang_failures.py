@@ -57,27 +57,22 @@ import pytest
 import sglang_servers
 from completion_client import Outcome
 from metrics_text import fetch_metrics, metric_sum
-from session_keys import key_env
-from sglang_servers import SGLANG_D_ENV, SGLANG_LEASE_S, SGLANG_PD_ENV, SGLANG_PD_KEYS
+from sglang_servers import SGLANG_LEASE_S, SGLANG_PD_KEYS
 
 pytest.importorskip("sglang")
 
-from splitserve.launch.engines import sglang_server  # noqa: E402
 from splitserve.launch.process import ProcessStartError  # noqa: E402
-from splitserve.netutil import free_port, free_ports  # noqa: E402
 from splitserve.proxy.background import BackgroundProxy  # noqa: E402
 from splitserve.proxy.config import build_config  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-CHUNK = 64
+CHUNK = sglang_servers.CHUNK
 LONG = 40 * CHUNK
 START_TIMEOUT = 600.0
 START_ATTEMPTS = 3  # a server that fails to start is started again on fresh ports
 WAIT_S = 300.0  # bound on every wait below (a loaded 2-core machine is slow, never hung)
 LEASE_S = SGLANG_LEASE_S  # small, so that a freeze can outlast it (docs/sglang.md, "Failures")
-ENV = SGLANG_PD_ENV  # the victims run as the pair does
-D_ENV = SGLANG_D_ENV
 CHUNK_MARK = f"#new-token: {CHUNK},"
 FAULT_LONG = 62 * CHUNK  # 3,968 tokens: the matrix's ~4,000-token prompt
 MAX_TOKENS = 8
@@ -95,31 +90,19 @@ class Pair:
     """The shared pair and this module's victims (started and stopped here), in the session's
     group."""
 
-    def __init__(self, group, model: str, bootstrap_port: int) -> None:
-        self.group, self.model = group, model
+    def __init__(self, servers, model: str, bootstrap_port: int) -> None:
+        self.servers, self.group, self.model = servers, servers.group, model
         self.keys: list[str] = []  # the victims
         self.modes: dict[str, str] = {}
         self.bootstrap: dict[str, int] = {P_KEY: bootstrap_port}
 
     def start(self, key: str, mode: str) -> None:
-        env = {**ENV, **key_env()}
+        """A victim, started as the pair's P or D are (tests/integration/sglang_servers.py)."""
         if mode == "prefill":
-            port, bootstrap = free_ports(2)
-            self.bootstrap[key] = bootstrap
+            sglang_servers.start_prefill(self.servers, self.model, key=key)
+            self.bootstrap[key] = sglang_servers.bootstrap_port(self.servers, key)
         else:
-            port, bootstrap = free_port(), None
-            env |= D_ENV
-        cmd = sglang_server(
-            self.model,
-            port,
-            mode=mode,
-            transfer_backend="splitserve",
-            bootstrap_port=bootstrap,
-            served_model_name="tiny",
-            chunked_prefill_size=CHUNK,
-            env=env,
-        )
-        self.group.add(key, cmd.argv, port=port, env=cmd.env)
+            sglang_servers.start_decode(self.servers, self.model, key=key)
         self.keys.append(key)
         self.modes[key] = mode
 
@@ -190,8 +173,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(servers, tiny_model, sglang_pair):
-    assert sglang_pair.chunk == CHUNK
-    running = Pair(servers.group, str(tiny_model), sglang_pair.bootstrap_port)
+    running = Pair(servers, str(tiny_model), sglang_pair.bootstrap_port)
     try:
         yield running
     finally:
