@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from module_order import INTEGRATION_ORDER
 
 from splitserve.launch.engines import tensor_parallel_size
 from splitserve.launch.group import Server, ServerGroup
-from splitserve.launch.process import ProcessStartError
+from splitserve.launch.process import ProcessStartError, set_session_nice
 from splitserve.models import build_model, resolve_spec
 from splitserve.netutil import free_port, free_port_run
 
@@ -39,6 +40,9 @@ MAX_RUNNING_SERVERS = int(os.environ.get("SPLITSERVE_TEST_MAX_SERVERS", "4"))
 # between choosing and binding it, a transient failure under load) is started once more, on a
 # fresh HTTP port, before its tests are reported as errors.
 SERVER_START_ATTEMPTS = 2
+# The priority of a server's session while it starts ahead of its module: the lowest, so that it
+# runs only on CPU the running tests leave idle (docs/environment.md, "Test harness").
+AHEAD_NICE = 19
 
 logger = logging.getLogger(__name__)
 
@@ -68,62 +72,96 @@ class ServerPool:
     def __init__(self, group: ServerGroup) -> None:
         self._group = group
         self._specs: dict[str, dict[str, Any]] = {}  # how each key was started, for a retry
+        # The pool's state is shared by the test thread and the start-ahead thread.
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: list[tuple[str, Callable[[], Sequence[str]]]] = []  # (module, starter)
+        self._claimed: set[str] = set()  # modules that began: their servers are no longer ahead
+        self._ahead_keys: dict[str, list[str]] = {}  # module -> its servers started ahead
         self._ahead: threading.Thread | None = None
         self._cancel_ahead = threading.Event()
 
     @property
     def group(self) -> ServerGroup:
-        """The pool's group, once the start-ahead (if any) is done with it."""
-        self._settle_ahead()
         return self._group
 
-    def start_ahead(self, starters: Sequence[Callable[[], Sequence[str]]]) -> None:
-        """Run ``starters`` (each starts servers with ``wait=False`` and returns their keys) on a
-        background thread, one at a time: each waits until the servers of the one before are
-        ready (or failed), so that one start at a time takes the core the unit tests leave idle.
+    def start_ahead(self, module: str, starters: Sequence[Callable[[], Sequence[str]]]) -> None:
+        """Start the servers of ``module`` (each starter starts some with ``wait=False`` and
+        returns their keys) on a background thread, one starter at a time, while the tests of
+        an earlier module run. Each waits until the servers of the one before are ready (or
+        failed, or ``SERVER_START_TIMEOUT`` passed), so that the first needed is the first
+        ready.
 
-        Nothing else touches the pool meanwhile: every other method first waits for the thread
-        (``_settle_ahead``), and a server that failed to start ahead is started again by the
-        module that asks for it, as any failed start is."""
-        self._settle_ahead()  # one start-ahead at a time
+        They start at the lowest priority (``AHEAD_NICE``, the priority of their whole
+        session): they take only the CPU that the running tests leave idle, and so cannot
+        slow a test that measures a timeout or races a lease. ``claim(module)`` gives them
+        their own priority back when their module begins. A server that failed to start
+        ahead is started again by the module that asks for it, as any failed start is."""
+        with self._wake:
+            self._pending.extend((module, starter) for starter in starters)
+            self._wake.notify()
+            if self._ahead is None:
+                self._ahead = threading.Thread(target=self._run_ahead, name="start-ahead")
+                self._ahead.daemon = True
+                self._ahead.start()
 
-        # One bound for them all: a start that hangs holds up whoever waits for the thread
-        # at most this long, after which the module's own wait (and retry) applies.
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
+    def claim(self, module: str) -> None:
+        """``module`` begins: the starters queued for it are dropped (its fixtures start what
+        it needs themselves, finding running whatever was started ahead), and its servers
+        started ahead get their own priority back."""
+        with self._lock:
+            self._claimed.add(module)
+            self._pending = [(m, s) for m, s in self._pending if m != module]
+            for key in self._ahead_keys.pop(module, []):
+                server = self._group.servers.get(key)
+                if server is not None and server.process.pid is not None:
+                    set_session_nice(server.process.pid, server.process.nice)
 
-        def run() -> None:
-            for starter in starters:
-                if self._cancel_ahead.is_set() or time.monotonic() > deadline:
+    def _run_ahead(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._cancel_ahead.is_set():
+                    self._wake.wait()
+                if self._cancel_ahead.is_set():
                     return
-                try:
-                    keys = starter()
-                except Exception:
-                    logger.exception("starting ahead failed; the module starts it itself")
-                    continue
-                self._wait_quietly(keys, deadline)
+                module, starter = self._pending.pop(0)
+                keys = self._start_one_ahead(module, starter)
+            self._wait_quietly(module, keys, time.monotonic() + SERVER_START_TIMEOUT)
 
-        self._ahead = threading.Thread(target=run, name="start-ahead", daemon=True)
-        self._ahead.start()
+    def _start_one_ahead(self, module: str, starter: Callable[[], Sequence[str]]) -> list[str]:
+        """Run ``starter`` (under the pool's lock) and lower the priority of the servers it
+        added; the keys to wait for."""
+        before = set(self._group.servers)
+        try:
+            keys = list(starter())
+        except Exception:
+            logger.exception("starting ahead failed; the module starts it itself")
+            return []
+        added = [key for key in keys if key not in before and key in self._group.servers]
+        for key in added:
+            pid = self._group.servers[key].process.pid
+            if pid is not None:
+                set_session_nice(pid, AHEAD_NICE)
+        self._ahead_keys.setdefault(module, []).extend(added)
+        return added
 
-    def _wait_quietly(self, keys: Sequence[str], deadline: float) -> None:
-        """Until each server answers its probe or died, or the deadline; raises nothing
-        (whoever asks for the server waits again, with the pool's retries)."""
-        pending = [self.group.servers[key] for key in keys if key in self.group.servers]
+    def _wait_quietly(self, module: str, keys: Sequence[str], deadline: float) -> None:
+        """Until each server answers its probe or died, its module began (it waits for them
+        itself), or the deadline; raises nothing (whoever asks for the server waits again,
+        with the pool's retries)."""
+        pending = [self._group.servers[key] for key in keys if key in self._group.servers]
         while pending and time.monotonic() < deadline and not self._cancel_ahead.is_set():
+            if module in self._claimed:
+                return
             pending = [s for s in pending if s.process.alive() and not s.probe()]
             time.sleep(0.5)
 
-    def _settle_ahead(self) -> None:
-        """Wait for the start-ahead thread (not from the thread itself)."""
-        ahead = self._ahead
-        if ahead is not None and ahead is not threading.current_thread():
-            ahead.join()
-            self._ahead = None
-
     def stop(self) -> None:
         """Stop the start-ahead (between two starts) and every server of the group."""
-        self._cancel_ahead.set()
-        self.group.stop()
+        with self._wake:
+            self._cancel_ahead.set()
+            self._wake.notify()
+        self._group.stop()
 
     def vllm(
         self,
@@ -148,21 +186,22 @@ class ServerPool:
         the tensor-parallel module and by ``splitserve up`` (test_up), which keep vLLM's CPU
         default.
         """
-        server = self.group.servers.get(key)
-        if server is not None:
-            self.group.touch(key)
-        else:
-            self._specs[key] = {
-                "model": str(model),
-                "served_model_name": served_model_name,
-                "kv_transfer_config": kv_transfer_config,
-                "extra_args": extra_args,
-                "cpu_core": cpu_core,
-                "env": env,
-                "nice": nice,
-                "in_process_worker": in_process_worker,
-            }
-            server = self.group.add_vllm(key, **self._specs[key])
+        with self._lock:  # the start-ahead thread may be starting others
+            server = self.group.servers.get(key)
+            if server is not None:
+                self.group.touch(key)
+            else:
+                self._specs[key] = {
+                    "model": str(model),
+                    "served_model_name": served_model_name,
+                    "kv_transfer_config": kv_transfer_config,
+                    "extra_args": extra_args,
+                    "cpu_core": cpu_core,
+                    "env": env,
+                    "nice": nice,
+                    "in_process_worker": in_process_worker,
+                }
+                server = self.group.add_vllm(key, **self._specs[key])
         if wait:
             self.wait_all(key)
             server = self.group.servers[key]
@@ -187,7 +226,8 @@ class ServerPool:
         """Stop these servers now (no later module uses them): a server whose NIXL agent spins
         a core would otherwise keep doing so until evicted, slowing the modules after it."""
         for key in keys:
-            server = self.group.servers.pop(key, None)
+            with self._lock:
+                server = self.group.servers.pop(key, None)
             if server is not None:
                 server.process.stop()
 
@@ -206,8 +246,9 @@ class ServerPool:
                 if failures[e.name] >= SERVER_START_ATTEMPTS or e.name not in self._specs:
                     raise
                 logger.warning("server %s failed to start (%s); starting it again", e.name, e)
-                self._specs[e.name] = with_fresh_side_ports(self._specs[e.name])
-                self.group.add_vllm(e.name, **self._specs[e.name])
+                with self._lock:
+                    self._specs[e.name] = with_fresh_side_ports(self._specs[e.name])
+                    self.group.add_vllm(e.name, **self._specs[e.name])
 
 
 def with_fresh_side_ports(spec: dict[str, Any]) -> dict[str, Any]:
@@ -255,16 +296,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             group.protect_since = time.monotonic()
 
 
+# What a session without integration modules starts ahead: nothing (``starters.Plan``'s shape).
+NO_AHEAD = SimpleNamespace(triggers={}, targets=set())
+
+
 @pytest.fixture(scope="session")
-def ahead_plan(request: pytest.FixtureRequest) -> dict[str, list[Callable[..., list[str]]]]:
+def ahead_plan(request: pytest.FixtureRequest) -> Any:
     """Which servers to start ahead when which tests begin (tests/integration/starters.py),
     for this session's modules. ``SPLITSERVE_TEST_START_AHEAD=0`` turns it off."""
     items = request.session.items
-    if os.environ.get("SPLITSERVE_TEST_START_AHEAD", "1") == "0" or not items:
-        return {}
     modules = {Path(str(item.fspath)).name for item in items if _module_rank(item) > 0}
-    if not modules:
-        return {}
+    if os.environ.get("SPLITSERVE_TEST_START_AHEAD", "1") == "0" or not modules:
+        return NO_AHEAD
     import starters  # tests/integration, on sys.path since its modules were collected
 
     in_order = [name for name in INTEGRATION_ORDER if name in modules]
@@ -273,18 +316,23 @@ def ahead_plan(request: pytest.FixtureRequest) -> dict[str, list[Callable[..., l
 
 @pytest.fixture(scope="module", autouse=True)
 def start_servers_ahead(request: pytest.FixtureRequest, ahead_plan) -> None:
-    """When a module that triggers a start-ahead begins (the first unit module, for the unit
-    tests), start those servers on a background thread (``ServerPool.start_ahead``): the unit
-    tests, and the integration modules that start no engine server, keep one core busy, and a
-    server start fits on the other. The modules that need them then find them running."""
-    trigger = "unit" if request.path.parent.name == "unit" else request.path.name
-    starters = ahead_plan.pop(trigger, None)  # popped: the unit trigger fires once
-    if not starters:
+    """When a module begins: its servers started ahead are its own now (``ServerPool.claim``),
+    and if it is a trigger (the first unit module stands for the unit tests), the servers of
+    later modules start on a background thread (``ServerPool.start_ahead``) while its tests
+    leave a core idle. The modules that need them then find them running."""
+    module = "unit" if request.path.parent.name == "unit" else request.path.name
+    if module in ahead_plan.targets:
+        request.getfixturevalue("servers").claim(module)
+    queued = ahead_plan.triggers.pop(module, None)  # popped: the unit trigger fires once
+    if not queued:
         return
     pool: ServerPool = request.getfixturevalue("servers")
     model = request.getfixturevalue("tiny_model")
     factory = request.getfixturevalue("tmp_path_factory")
-    pool.start_ahead([functools.partial(starter, pool, model, factory) for starter in starters])
+    for target, starters in queued:
+        pool.start_ahead(
+            target, [functools.partial(starter, pool, model, factory) for starter in starters]
+        )
 
 
 @pytest.fixture(scope="session")

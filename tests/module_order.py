@@ -4,7 +4,7 @@ same names."""
 
 # Integration modules that start no engine server and keep about one core busy (measured:
 # 49.5% of two cores over their 157 s, session 29). They run right before the SGLang modules,
-# whose servers start meanwhile on the idle core (tests/integration/starters.py).
+# whose servers start meanwhile on the idle core (tests/integration/starters.py, ``AHEAD``).
 LIGHT_MODULES = [
     "test_transfer_two_process.py",
     "test_transfer_cross_host.py",
@@ -28,12 +28,19 @@ INTEGRATION_ORDER = [
     "test_proxy_decide.py",  # "ss-a", "ss-b"
     "test_discovery.py",  # "ss-a", "ss-b", "ss-c"
     "test_prefill_allowlist.py",  # "ss-a", "ss-b", "ss-c"
-    "test_control_plane.py",  # "ss-a", "ss-b"
-    *LIGHT_MODULES,  # no engine server; the SGLang pair and single start meanwhile
+    "test_control_plane.py",  # "ss-a", "ss-b"; the SGLang pair and single start from here on
+    *LIGHT_MODULES,  # no engine server
     "test_sglang_pd.py",  # SGLang PD pair + router (tests/integration/conftest.py)
     "test_proxy_sglang.py",  # the same pair
-    "test_sglang_failures.py",  # the same pair (its last user), "sglang-single" as reference
+    "test_sglang_failures.py",  # the same pair (its last user), "sglang-single" as reference;
+    # the adaptive SGLang server starts meanwhile
     "test_sglang_server.py",
     "test_engines_cross_host.py",  # "sglang-single" as reference; its own test-bed pairs
-    "test_up.py",  # its own deployment, not the pool
+    "test_up.py",  # its own deployment, not the pool; the fault matrix's servers start meanwhile
+    "test_fault_matrix.py",  # its own four servers (fm-*); LMCache's start meanwhile
+    "test_lmcache.py",
+    "test_serving_cross_host.py",
+    "test_soak.py",
+    "test_tensor_parallel.py",
+    "test_up_cross_host.py",
 ]

@@ -115,3 +115,27 @@ def start_single(servers: Any, model: Path, tmp_path_factory: Any = None) -> lis
         cmd = sglang_server(str(model), port, served_model_name="tiny", chunked_prefill_size=CHUNK)
         group.add(SINGLE, cmd.argv, port=port, env=cmd.env)
     return [SINGLE]
+
+
+ADAPTIVE = "sglang-unified-adaptive"  # test_sglang_server's single server with our budget
+ADAPTIVE_BUDGET = "target_itl_ms: 40\nmin_chunk: 16\nalignment: 16\nlog_interval_s: 1\n"
+
+
+def start_adaptive(servers: Any, model: Path, tmp_path_factory: Any) -> list[str]:
+    """A single server with splitserve's adaptive chunk budget (``ADAPTIVE_BUDGET``: 16 to
+    ``CHUNK`` tokens in steps of 16), as test_sglang_server checks it."""
+    group = servers.group
+    if ADAPTIVE in group.servers:
+        group.touch(ADAPTIVE)
+        return [ADAPTIVE]
+    settings = tmp_path_factory.mktemp("sglang-budget") / "budget.yaml"
+    settings.write_text(ADAPTIVE_BUDGET)
+    port = free_port()
+    cmd = sglang_server(
+        str(model),
+        port,
+        chunked_prefill_size=CHUNK,
+        env={"SPLITSERVE_ADAPTIVE_BUDGET": "1", "SPLITSERVE_SCHEDULER_CONFIG": str(settings)},
+    )
+    group.add(ADAPTIVE, cmd.argv, port=port, env=cmd.env)
+    return [ADAPTIVE]

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fault_fleet
+import lmcache_fleet
 import sglang_servers
 from module_order import LIGHT_MODULES
 
@@ -98,14 +100,19 @@ UNIT = "unit"  # the unit tests (tests/unit): one core busy, no server
 @dataclass(frozen=True)
 class Ahead:
     """Start ``start`` (one starter at a time) for ``module`` while ``during`` runs: the unit
-    tests (``UNIT``), or modules that start no engine server (the first of them in the session
-    that runs before ``module`` is when it begins)."""
+    tests (``UNIT``) or earlier modules (the first of them in the session that runs before
+    ``module`` is when it begins)."""
 
     module: str
     during: tuple[str, ...]
     start: tuple[Starter, ...]
 
 
+# Each window is a stretch of the suite that leaves CPU idle (measured with a /proc/stat
+# sampler beside a whole run: docs/environment.md, "Suite time"); the servers started in it
+# are those its next modules would otherwise wait for. Servers start ahead at the lowest
+# priority (tests/conftest.py, ``AHEAD_NICE``), so a window may be any module, timed faults
+# included.
 AHEAD = (
     Ahead("test_smoke_vllm.py", (UNIT,), (unified,)),
     Ahead("test_adaptive_scheduler.py", (UNIT,), (adaptive_scheduler, unified)),
@@ -113,17 +120,37 @@ AHEAD = (
     Ahead("test_proxy_vllm.py", (UNIT,), (stock_nixl_pair,)),
     Ahead(
         "test_sglang_pd.py",
-        tuple(LIGHT_MODULES),
+        ("test_control_plane.py", *LIGHT_MODULES),
         (sglang_servers.start_prefill, sglang_servers.start_decode, sglang_servers.start_single),
+    ),
+    # The failure tests wait out leases and timeouts on the SGLang pair.
+    Ahead("test_sglang_server.py", ("test_sglang_failures.py",), (sglang_servers.start_adaptive,)),
+    # test_up's deployment is its own (``splitserve up``), started and stopped by the test.
+    Ahead("test_fault_matrix.py", ("test_up.py",), (fault_fleet.start,)),
+    # The fault matrix waits out leases, freezes and restarts.
+    Ahead(
+        "test_lmcache.py",
+        ("test_fault_matrix.py",),
+        (lmcache_fleet.start_tier, lmcache_fleet.start_servers),
     ),
 )
 
 
-def plan(modules_in_order: list[str], unit_first: bool) -> dict[str, list[Starter]]:
-    """Per trigger (``UNIT`` or a module), the starters to run when it begins, in order and
-    each once: those of every ``Ahead`` whose module is in the session and one of whose
-    ``during`` runs before it. ``modules_in_order``: the session's integration modules."""
-    triggers: dict[str, list[Starter]] = {}
+@dataclass
+class Plan:
+    """``triggers``: per module that opens a window (``UNIT`` for the unit tests), the
+    (module, starters) to start ahead when it begins, in order, each starter once.
+    ``targets``: the modules whose servers start ahead (each claims them when it begins)."""
+
+    triggers: dict[str, list[tuple[str, list[Starter]]]] = field(default_factory=dict)
+    targets: set[str] = field(default_factory=set)
+
+
+def plan(modules_in_order: list[str], unit_first: bool) -> Plan:
+    """The start-ahead plan for a session: for every ``Ahead`` whose module is in the session
+    and one of whose ``during`` runs before it (``modules_in_order``: the session's
+    integration modules, in their order)."""
+    result = Plan()
     for ahead in AHEAD:
         if ahead.module not in modules_in_order:
             continue
@@ -134,6 +161,10 @@ def plan(modules_in_order: list[str], unit_first: bool) -> dict[str, list[Starte
             trigger = next((m for m in before if m in ahead.during), "")
         if not trigger:
             continue
-        queue = triggers.setdefault(trigger, [])
-        queue.extend(starter for starter in ahead.start if starter not in queue)
-    return triggers
+        queued = result.triggers.setdefault(trigger, [])
+        seen = {starter for _, starters in queued for starter in starters}
+        starters = [starter for starter in ahead.start if starter not in seen]
+        if starters:
+            queued.append((ahead.module, starters))
+            result.targets.add(ahead.module)
+    return result

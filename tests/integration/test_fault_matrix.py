@@ -17,11 +17,12 @@ Servers (keys ``fm-*``, this module's own, stopped at its end): ``fm-p1`` (P, pu
 reference. ``fm-dx`` is a misconfigured D: started with a deployment key no P accepts, each of
 its KV loads fails at the side channel's handshake (``key mismatch``, docs/security.md) and
 vLLM's default ``kv_load_failure_policy: fail`` ends the request with HTTP 500, the realistic
-"D answers 500 to everything". Their model is the tiny preset made wider (hidden
-512, MLP 2048: see ``FAULT_MODEL``) so that a ~3,600-token prompt keeps P busy for seconds on
-one core, long enough to kill it mid-prefill; its KV per token is the tiny model's. A killed
-server is restarted at once (``Fleet.kill`` then ``Fleet.restart``: same command line, same
-HTTP and side-channel ports) and waited for only by the test that needs it next.
+"D answers 500 to everything" (tests/integration/fault_fleet.py starts them). Their model is
+the tiny preset made wider (hidden 512, MLP 2048: see ``fault_fleet.FAULT_MODEL``) so that a
+~3,600-token prompt keeps P busy for seconds on one core, long enough to kill it mid-prefill;
+its KV per token is the tiny model's. A killed server is restarted at once (``Fleet.kill`` then
+``Fleet.restart``: same command line, same HTTP and side-channel ports) and waited for only by
+the test that needs it next.
 
 The outlier and panic tests set their proxy's rules small (2 or 3 failures in a row, ejections
 of seconds, a 1 ms health-check timeout) and observe every state through the proxy's metrics,
@@ -46,26 +47,19 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import completion_client
+import fault_fleet
 import psutil
 import pytest
 from completion_client import Outcome
-from cpu_placement import UNPINNED
+from fault_fleet import BAD_D, KEYS, LEASE_S
 from metrics_text import fetch_metrics, metric_sum
-from session_keys import test_key_file as key_file
 
 from splitserve.launch.group import ServerGroup
-from splitserve.models import build_model, resolve_spec
-from splitserve.netutil import free_ports
 from splitserve.proxy.background import BackgroundProxy
 from splitserve.proxy.config import build_config
-from splitserve.transfer.auth import write_key_file
 
 pytestmark = pytest.mark.integration
 
-# The tiny preset, wider: 4 layers of hidden 512 and MLP 2048 (about 4x the tiny model's
-# compute per token), KV 4 KiB per token as the tiny model's.
-FAULT_MODEL = dict(hidden_size=512, intermediate_size=2048, num_heads=8, num_kv_heads=2)
-LEASE_S = 8.0
 START_TIMEOUT = 420.0
 WAIT_S = 120.0  # bound on every wait for a state (KV freed, a request running)
 REQUEST_S = 90.0  # bound on one request through the proxy (a loaded 2-core machine)
@@ -73,9 +67,6 @@ LONG_WORDS = 1650  # about 3,600 tokens of the word prompt below
 MAX_TOKENS = 8
 # Client disconnects per flow (the 20 rounds: about 33 s per flow here).
 ROUNDS = int(os.environ.get("SPLITSERVE_FAULT_ROUNDS", "20"))
-KEYS = ("fm-p1", "fm-p2", "fm-d", "fm-dx")
-BAD_D = "fm-dx"  # a D whose deployment key no P accepts: every KV load fails, so every
-# disaggregated request to it ends in HTTP 500 (vLLM's kv_load_failure_policy "fail")
 PREFILL_LEAD_S = 0.3  # into P's prefill (several seconds long) before the fault
 
 
@@ -143,51 +134,12 @@ class Fleet:
                 proc.send_signal(signal.SIGCONT)
 
 
-def _kv_config(side_port: int, direction: str, auth_key_file: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "SplitserveConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "side_channel_port": side_port,
-            "auth_key_file": auth_key_file,
-            "direction": direction,
-            "lease_s": LEASE_S,
-            "done_timeout_s": 60,
-        },
-    }
-
-
 @pytest.fixture(scope="module")
-def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
-    model = build_model(resolve_spec("tiny", **FAULT_MODEL), tmp_path_factory.mktemp("fault"))
+def fleet(servers, tiny_model, tmp_path_factory) -> Iterator[Fleet]:
     running = Fleet(servers.group)
-    extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "512"]
-    # One core each for p1 and D; p2 (the other pair's P, idle most of the time) is not pinned:
-    # pinned beside D, the two engines' OpenMP threads shared one core and p2's side channel
-    # missed its 5 s handshake and heartbeat bounds (docs/connector-protocol.md).
-    # The bad D (idle but for its failed loads) is not pinned either.
-    layout = {
-        "fm-p1": ("pull", 0),
-        "fm-p2": ("push", None),
-        "fm-d": ("auto", 1),
-        BAD_D: ("auto", None),
-    }
-    other_key = write_key_file(tmp_path_factory.mktemp("fm-dx") / "auth.key", "not-this-fleets-key")
     try:
-        for key, side in zip(KEYS, free_ports(len(KEYS)), strict=True):
-            direction, core = layout[key]
-            running.side[key] = side
-            auth = str(other_key) if key == BAD_D else key_file()
-            servers.group.add_vllm(
-                key,
-                str(model),
-                served_model_name="tiny",
-                kv_transfer_config=_kv_config(side, direction, auth),
-                extra_args=extra,
-                cpu_core=core,
-                env=UNPINNED if core is None else None,
-                in_process_worker=True,  # as the test pool's servers (tests/conftest.py)
-            )
+        fault_fleet.start(servers, tiny_model, tmp_path_factory)  # those not started ahead
+        running.side = {key: servers.side_port(key) for key in KEYS}
         running.wait()
         yield running
     finally:

@@ -18,117 +18,43 @@ D's greedy tokens and log-probs equal a colocated server's (garbage KV would cha
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
+import lmcache_fleet
 import pytest
-from cpu_placement import UNPINNED
+from lmcache_fleet import CHUNK
 from metrics_text import fetch_metrics, metric_sum
-from session_keys import key_env
-from session_keys import test_key_file as key_file
 from token_requests import body_for, concurrent_handoff, post, prompt_of, tokens
 
-from splitserve.connectors.lmcache.settings import LMCacheSettings, composed_kv_config
-from splitserve.netutil import free_ports, port_in_use
 from splitserve.proxy import dispatch
 
-CHUNK = 256
 DOC_TOKENS = 1500
 QUESTION_TOKENS = 40
-
-
-def lmcache_env(remote_port: int) -> dict[str, str]:
-    """LMCache's settings for a P: local CPU tier and the shared LMCache server."""
-    settings = LMCacheSettings(chunk_size=CHUNK, remote={"port": remote_port, "start": False})
-    return settings.env()
-
-
-def splitserve_config(side_port: int) -> dict:
-    return {
-        "kv_connector": "SplitserveConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "side_channel_port": side_port,
-            "auth_key_file": key_file(),
-            "lease_s": 20,
-            "done_timeout_s": 300,
-        },
-    }
-
-
-def multi_config(side_port: int) -> dict:
-    return composed_kv_config(splitserve_config(side_port))
-
 
 # The tier's log line for each PUT it stored (its debug level, LMCACHE_LOG_LEVEL=DEBUG).
 PUT_MARK = "Time to receive data"
 
 
 @pytest.fixture(scope="module")
-def remote_tier(tmp_path_factory):
-    """LMCache's own cache server (plain TCP, no HTTP health route: not a group member);
-    (port, process, log path). Its debug log counts the chunks put into it."""
-    port = free_ports(1)[0]
-    log_path = tmp_path_factory.mktemp("lmcache") / "lmcache-server.log"
-    log = open(log_path, "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "LMCACHE_LOG_LEVEL": "DEBUG"},
-    )
+def remote_tier(servers, tiny_model):
+    """LMCache's own cache server (``lmcache_fleet.start_tier``): (port, process, log path).
+    Its debug log counts the chunks put into it."""
+    (key,) = lmcache_fleet.start_tier(servers, tiny_model)
+    servers.group.wait(120, names=[key], stop_group_on_failure=False)
+    tier = servers.group.servers[key]
     try:
-        end = time.monotonic() + 120
-        while not port_in_use(port):
-            assert proc.poll() is None and time.monotonic() < end, "LMCache server did not start"
-            time.sleep(0.2)
-        yield port, proc, log_path
+        yield tier.port, tier.process, tier.process.log_path
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        servers.release(key)
 
 
 @pytest.fixture(scope="module")
 def fleet(servers, tiny_model, remote_tier):
     """P1 and P2 (MultiConnector, sharing ``remote_tier``) and D (SplitserveConnector)."""
-    group = servers.group
-    remote_port, _, _ = remote_tier
-    p1_side, p2_side, d_side = free_ports(3)
-    args = ["--max-model-len", "2048", "--max-num-batched-tokens", "512"]
-    env = {**key_env(), **lmcache_env(remote_port)}
-    for key, core, side in (("lmc-p1", 0, p1_side), ("lmc-p2", 1, p2_side)):
-        servers.vllm(
-            key,
-            tiny_model,
-            kv_transfer_config=multi_config(side),
-            extra_args=args,
-            cpu_core=core,
-            env=env,
-            wait=False,
-        )
-    servers.vllm(
-        "lmc-d",
-        tiny_model,
-        kv_transfer_config=splitserve_config(d_side),
-        # Without its own prefix cache D cannot serve the shared document from the first
-        # request's blocks: all of P2's KV, LMCache's prefix included, must reach it.
-        extra_args=[*args, "--no-enable-prefix-caching"],
-        # Not pinned: pinned beside P1, the two engines' OpenMP threads shared one core and a
-        # handoff outlived P1's 20 s lease (docs/connector-protocol.md).
-        cpu_core=None,
-        env={**key_env(), **UNPINNED},
-        wait=False,
-    )
-    servers.wait_all("lmc-p1", "lmc-p2", "lmc-d")
-    urls = {k: group.servers[k].url for k in ("lmc-p1", "lmc-p2", "lmc-d")}
-    return {**urls, "p2-side": servers.side_port("lmc-p2")}
+    keys = lmcache_fleet.start_servers(servers, tiny_model)
+    servers.wait_all(*keys)
+    urls = {k: servers.group.servers[k].url for k in keys}
+    return {**urls, "p2-side": servers.side_port(lmcache_fleet.P2)}
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -198,9 +124,8 @@ def test_p2_loads_the_shared_prefix_and_d_equals_colocated(fleet, remote_tier) -
 def test_remote_tier_killed_requests_still_succeed(fleet, remote_tier) -> None:
     """With LMCache's server gone, P2 recomputes: the request succeeds with D's output equal to
     colocated, and nothing waits on the dead tier beyond the request's own bound."""
-    _, proc, _ = remote_tier
-    proc.terminate()
-    proc.wait(30)
+    _, tier, _ = remote_tier
+    tier.stop()
     p2, d = fleet["lmc-p2"], fleet["lmc-d"]
     prompt = ids(DOC_TOKENS, 4) + ids(QUESTION_TOKENS, 5)
     before = counters(p2)

@@ -41,10 +41,11 @@ from typing import Any
 
 import pytest
 from completion_client import Outcome
+from fault_fleet import FAULT_MODEL
 from metrics_text import fetch_metrics, metric_sum
 from session_keys import key_env
 from session_keys import test_key_file as key_file
-from test_fault_matrix import FAULT_MODEL, body_for, send, text_prompt, wait_for
+from test_fault_matrix import body_for, send, text_prompt, wait_for
 from test_testbed import round_trips
 from test_transfer_cross_host import kv_protocols
 

@@ -12,6 +12,8 @@ import json
 import urllib.request
 
 import pytest
+import sglang_servers
+from sglang_servers import CHUNK
 
 pytest.importorskip("sglang")
 
@@ -21,7 +23,6 @@ from splitserve.netutil import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-CHUNK = 64
 START_TIMEOUT = 600.0
 
 
@@ -39,21 +40,9 @@ def generate(url: str, text: str, max_new_tokens: int = 8) -> dict:
 
 @pytest.fixture(scope="module")
 def adaptive_server(servers, tiny_model, tmp_path_factory):
-    settings = tmp_path_factory.mktemp("sglang-budget") / "budget.yaml"
-    settings.write_text("target_itl_ms: 40\nmin_chunk: 16\nalignment: 16\nlog_interval_s: 1\n")
-    key = "sglang-unified-adaptive"
-    server = servers.group.servers.get(key)
-    if server is None:
-        port = free_port()
-        cmd = sglang_server(
-            str(tiny_model),
-            port,
-            chunked_prefill_size=CHUNK,
-            env={"SPLITSERVE_ADAPTIVE_BUDGET": "1", "SPLITSERVE_SCHEDULER_CONFIG": str(settings)},
-        )
-        server = servers.group.add(key, cmd.argv, port=port, env=cmd.env)
+    (key,) = sglang_servers.start_adaptive(servers, tiny_model, tmp_path_factory)
     servers.group.wait(START_TIMEOUT, names=[key], stop_group_on_failure=False)
-    return server
+    return servers.group.servers[key]
 
 
 def test_adaptive_budget_installed_and_generation_is_greedy(adaptive_server):
