@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -114,7 +115,10 @@ class ServerPool:
             self._pending = [(m, s) for m, s in self._pending if m != module]
             for key in self._ahead_keys.pop(module, []):
                 server = self._group.servers.get(key)
-                if server is not None and server.process.pid is not None:
+                if server is None:
+                    continue
+                server.last_used = time.monotonic()
+                if server.process.pid is not None:
                     set_session_nice(server.process.pid, server.process.nice)
 
     def _run_ahead(self) -> None:
@@ -139,9 +143,12 @@ class ServerPool:
             return []
         added = [key for key in keys if key not in before and key in self._group.servers]
         for key in added:
-            pid = self._group.servers[key].process.pid
-            if pid is not None:
-                set_session_nice(pid, AHEAD_NICE)
+            server = self._group.servers[key]
+            # Not stopped to make room (the group evicts the least recently used of earlier
+            # modules) before its module has claimed it.
+            server.last_used = math.inf
+            if server.process.pid is not None:
+                set_session_nice(server.process.pid, AHEAD_NICE)
         self._ahead_keys.setdefault(module, []).extend(added)
         return added
 

@@ -23,6 +23,7 @@ from typing import Any
 import fault_fleet
 import lmcache_fleet
 import sglang_servers
+import splitserve_servers
 from module_order import LIGHT_MODULES
 
 from splitserve.netutil import free_ports
@@ -118,6 +119,8 @@ AHEAD = (
     Ahead("test_adaptive_scheduler.py", (UNIT,), (adaptive_scheduler, unified)),
     # test_proxy_vllm's kill victim is ``unified``, started above.
     Ahead("test_proxy_vllm.py", (UNIT,), (stock_nixl_pair,)),
+    Ahead("test_connector_vllm.py", (UNIT,), (splitserve_servers.start_pair,)),
+    Ahead("test_proxy_decide.py", ("test_connector_vllm.py",), (splitserve_servers.start_third,)),
     Ahead(
         "test_sglang_pd.py",
         ("test_control_plane.py", *LIGHT_MODULES),

@@ -12,10 +12,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 import fault_fleet  # noqa: E402
 import lmcache_fleet  # noqa: E402
 import sglang_servers  # noqa: E402
+import splitserve_servers  # noqa: E402
 import starters  # noqa: E402
 from module_order import INTEGRATION_ORDER, LIGHT_MODULES  # noqa: E402
 
-FIRST_THREE = ["test_smoke_vllm.py", "test_adaptive_scheduler.py", "test_proxy_vllm.py"]
+FIRST_FOUR = [
+    "test_smoke_vllm.py",
+    "test_adaptive_scheduler.py",
+    "test_proxy_vllm.py",
+    "test_connector_vllm.py",
+]
 SGLANG_PD = [
     sglang_servers.start_prefill,
     sglang_servers.start_decode,
@@ -24,19 +30,20 @@ SGLANG_PD = [
 
 
 def test_unit_tests_first_start_the_first_modules_servers_once_each_in_order():
-    plan = starters.plan(FIRST_THREE, unit_first=True)
+    plan = starters.plan(FIRST_FOUR, unit_first=True)
     assert plan.triggers == {
         starters.UNIT: [
             ("test_smoke_vllm.py", [starters.unified]),
             ("test_adaptive_scheduler.py", [starters.adaptive_scheduler]),
             ("test_proxy_vllm.py", [starters.stock_nixl_pair]),
+            ("test_connector_vllm.py", [splitserve_servers.start_pair]),
         ]
     }
-    assert plan.targets == set(FIRST_THREE)
+    assert plan.targets == set(FIRST_FOUR)
 
 
 def test_no_unit_tests_first_means_no_unit_window():
-    plan = starters.plan(FIRST_THREE, unit_first=False)
+    plan = starters.plan(FIRST_FOUR, unit_first=False)
     assert plan.triggers == {} and plan.targets == set()
 
 
@@ -65,6 +72,9 @@ def test_no_window_module_before_the_sglang_modules_means_no_window():
 
 def test_the_whole_suite_opens_a_window_for_each_module_that_waited_for_its_servers():
     plan = starters.plan(INTEGRATION_ORDER, unit_first=True)
+    assert plan.triggers["test_connector_vllm.py"] == [
+        ("test_proxy_decide.py", [splitserve_servers.start_third])
+    ]
     assert plan.triggers["test_sglang_failures.py"] == [
         ("test_sglang_server.py", [sglang_servers.start_adaptive])
     ]

@@ -112,3 +112,26 @@ def test_a_failing_starter_leaves_the_module_to_start_it_itself(tmp_path):
         eventually(lambda: started(group, "next"), "the starter after the failed one ran")
     finally:
         pool.stop()
+
+
+def test_a_server_started_ahead_is_not_stopped_to_make_room_before_its_module_claims_it(
+    tmp_path,
+):
+    group = ServerGroup(tmp_path, max_running=1)
+    pool = conftest.ServerPool(group)
+    try:
+        pool.start_ahead("test_later.py", [sleeper_starter(group, "ahead", 7)])
+        eventually(lambda: started(group, "ahead"), "the starter ran")
+        pid = group.servers["ahead"].process.pid
+        eventually(lambda: session_nice(pid) == conftest.AHEAD_NICE, "started ahead")
+        group.protect_since = time.monotonic()  # a module in between begins
+        group.add("between", SLEEPER, port=8, ready_path=None)  # over the bound
+        assert group.servers["ahead"].process.alive()
+
+        pool.claim("test_later.py")
+        group.protect_since = time.monotonic()  # a later module: both may make room now
+        time.sleep(0.01)
+        group.add("later", SLEEPER, port=9, ready_path=None)
+        assert set(group.servers) == {"later"}
+    finally:
+        pool.stop()
