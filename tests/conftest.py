@@ -109,13 +109,24 @@ class ServerPool:
     def claim(self, module: str) -> None:
         """``module`` begins: the starters queued for it are dropped (its fixtures start what
         it needs themselves, finding running whatever was started ahead), and its servers
-        started ahead get their own priority back."""
+        started ahead get their own priority back. One whose start failed ahead is taken out
+        of the group, so that its module starts it again instead of waiting on a dead
+        process."""
         with self._lock:
             self._claimed.add(module)
             self._pending = [(m, s) for m, s in self._pending if m != module]
             for key in self._ahead_keys.pop(module, []):
                 server = self._group.servers.get(key)
                 if server is None:
+                    continue
+                if not server.process.alive():
+                    logger.warning(
+                        "%s died starting ahead (its log: %s); started again",
+                        key,
+                        server.process.log_path,
+                    )
+                    self._group.servers.pop(key, None)
+                    server.process.stop()
                     continue
                 server.last_used = time.monotonic()
                 if server.process.pid is not None:

@@ -135,3 +135,21 @@ def test_a_server_started_ahead_is_not_stopped_to_make_room_before_its_module_cl
         assert set(group.servers) == {"later"}
     finally:
         pool.stop()
+
+
+def test_a_server_that_died_starting_ahead_is_left_for_its_module_to_start_again(tmp_path):
+    group = ServerGroup(tmp_path)
+    pool = conftest.ServerPool(group)
+
+    def dies() -> list[str]:
+        group.add("dead", [sys.executable, "-c", "raise SystemExit(3)"], port=10)
+        return ["dead"]
+
+    try:
+        pool.start_ahead("test_later.py", [dies])
+        eventually(lambda: started(group, "dead"), "the starter ran")
+        eventually(lambda: not group.servers["dead"].process.alive(), "the start failed")
+        pool.claim("test_later.py")
+        assert "dead" not in group.servers  # the module's fixture starts it afresh
+    finally:
+        pool.stop()
