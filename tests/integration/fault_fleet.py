@@ -75,6 +75,6 @@ def start(servers: Any, tiny_model: Path, tmp_path_factory: Any) -> list[str]:
             extra_args=EXTRA_ARGS,
             cpu_core=core,
             env=UNPINNED if core is None else None,
-            in_process_worker=True,  # as the test pool's servers (tests/conftest.py)
+            in_process_worker=True,  # as the test pool's servers (tests/server_pool.py)
         )
     return list(KEYS)

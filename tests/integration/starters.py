@@ -1,7 +1,7 @@
 """Servers started ahead, while tests that leave a core idle run: how the first integration
 modules start theirs (each module's fixture calls its starter here; the SGLang ones are in
 sglang_servers.py), and ``AHEAD``, the schedule that the pool's start-ahead
-(``ServerPool.start_ahead``, tests/conftest.py) follows. Both must start a key the same way:
+(``ServerPool.start_ahead``, tests/server_pool.py) follows. Both must start a key the same way:
 the pool hands whoever asks second the server the first one started.
 
 A starter adds its servers to the pool without waiting (``wait=False``) and returns their keys;
@@ -112,7 +112,7 @@ class Ahead:
 # Each window is a stretch of the suite that leaves CPU idle (measured with a /proc/stat
 # sampler beside a whole run: docs/environment.md, "Suite time"); the servers started in it
 # are those its next modules would otherwise wait for. Servers start ahead at the lowest
-# priority (tests/conftest.py, ``AHEAD_NICE``), so a window may be any module, timed faults
+# priority (tests/server_pool.py, ``AHEAD_NICE``), so a window may be any module, timed faults
 # included.
 AHEAD = (
     Ahead("test_smoke_vllm.py", (UNIT,), (unified,)),

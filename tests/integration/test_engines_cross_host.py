@@ -341,7 +341,7 @@ def nixl(bed: Bed, tiny_model) -> Bed:
             kv_transfer_config=NIXL,
             extra_args=["--max-model-len", "2048"],
             cpu_core=core,
-            in_process_worker=True,  # as the test pool's servers (tests/conftest.py)
+            in_process_worker=True,  # as the test pool's servers (tests/server_pool.py)
             env={
                 **h.ucx_env(),
                 "UCX_PROTO_INFO": "y",

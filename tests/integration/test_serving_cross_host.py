@@ -140,7 +140,7 @@ def xh(servers, tmp_path_factory) -> Iterator[CrossHost]:
                     kv_transfer_config=kv_config(address),
                     extra_args=extra,
                     cpu_core=core,
-                    in_process_worker=True,  # as the test pool's servers (tests/conftest.py)
+                    in_process_worker=True,  # as the test pool's servers (tests/server_pool.py)
                     env={
                         **bed[host].ucx_env(),
                         "UCX_PROTO_INFO": "y",

@@ -1,4 +1,4 @@
-"""The test pool's start-ahead (``ServerPool`` in tests/conftest.py) on real processes
+"""The test pool's start-ahead (``ServerPool`` in tests/server_pool.py) on real processes
 (sleepers in sessions of their own, no engine): a server started ahead runs at the lowest
 priority of the kernel's scheduler for its session until its module claims it, and a module
 that began drops what was still queued for it. Our harness logic."""
@@ -14,7 +14,7 @@ import pytest
 from splitserve.launch.group import ServerGroup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import conftest  # noqa: E402  tests/conftest.py: the session's pool
+import server_pool  # noqa: E402
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 BOUND_S = 30.0
@@ -57,7 +57,7 @@ def sleeper_starter(group: ServerGroup, key: str, port: int):
 
 def test_a_server_started_ahead_has_the_lowest_priority_until_its_module_claims_it(tmp_path):
     group = ServerGroup(tmp_path)
-    pool = conftest.ServerPool(group)
+    pool = server_pool.ServerPool(group)
     try:
         group.add("running", SLEEPER, port=1, ready_path=None)  # started by its own module
         pool.start_ahead(
@@ -66,7 +66,7 @@ def test_a_server_started_ahead_has_the_lowest_priority_until_its_module_claims_
         )
         eventually(lambda: started(group, "ahead"), "the starter ran")
         ahead = group.servers["ahead"].process.pid
-        eventually(lambda: session_nice(ahead) == conftest.AHEAD_NICE, "ahead's session niced")
+        eventually(lambda: session_nice(ahead) == server_pool.AHEAD_NICE, "ahead's session niced")
         assert session_nice(group.servers["running"].process.pid) == 0
 
         pool.claim("test_later.py")
@@ -79,7 +79,7 @@ def test_a_server_started_ahead_has_the_lowest_priority_until_its_module_claims_
 
 def test_a_module_that_began_drops_its_starters_still_queued(tmp_path):
     group = ServerGroup(tmp_path)
-    pool = conftest.ServerPool(group)
+    pool = server_pool.ServerPool(group)
     try:
         # The thread waits for "first" (never ready), so "second" is still queued...
         pool.start_ahead(
@@ -95,14 +95,14 @@ def test_a_module_that_began_drops_its_starters_still_queued(tmp_path):
         assert "second" not in group.servers
         assert session_nice(group.servers["first"].process.pid) == 0
         third = group.servers["third"].process.pid
-        eventually(lambda: session_nice(third) == conftest.AHEAD_NICE, "third's session niced")
+        eventually(lambda: session_nice(third) == server_pool.AHEAD_NICE, "third's session niced")
     finally:
         pool.stop()
 
 
 def test_a_failing_starter_leaves_the_module_to_start_it_itself(tmp_path):
     group = ServerGroup(tmp_path)
-    pool = conftest.ServerPool(group)
+    pool = server_pool.ServerPool(group)
 
     def broken() -> list[str]:
         raise RuntimeError("no such model")
@@ -118,12 +118,12 @@ def test_a_server_started_ahead_is_not_stopped_to_make_room_before_its_module_cl
     tmp_path,
 ):
     group = ServerGroup(tmp_path, max_running=1)
-    pool = conftest.ServerPool(group)
+    pool = server_pool.ServerPool(group)
     try:
         pool.start_ahead("test_later.py", [sleeper_starter(group, "ahead", 7)])
         eventually(lambda: started(group, "ahead"), "the starter ran")
         pid = group.servers["ahead"].process.pid
-        eventually(lambda: session_nice(pid) == conftest.AHEAD_NICE, "started ahead")
+        eventually(lambda: session_nice(pid) == server_pool.AHEAD_NICE, "started ahead")
         group.protect_since = time.monotonic()  # a module in between begins
         group.add("between", SLEEPER, port=8, ready_path=None)  # over the bound
         assert group.servers["ahead"].process.alive()
@@ -139,7 +139,7 @@ def test_a_server_started_ahead_is_not_stopped_to_make_room_before_its_module_cl
 
 def test_a_server_that_died_starting_ahead_is_left_for_its_module_to_start_again(tmp_path):
     group = ServerGroup(tmp_path)
-    pool = conftest.ServerPool(group)
+    pool = server_pool.ServerPool(group)
 
     def dies() -> list[str]:
         group.add("dead", [sys.executable, "-c", "raise SystemExit(3)"], port=10)
