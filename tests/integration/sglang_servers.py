@@ -131,11 +131,17 @@ def start_adaptive(servers: Any, model: Path, tmp_path_factory: Any) -> list[str
     settings = tmp_path_factory.mktemp("sglang-budget") / "budget.yaml"
     settings.write_text(ADAPTIVE_BUDGET)
     port = free_port()
-    cmd = sglang_server(
+    cmd = adaptive_command(model, port, settings)
+    group.add(ADAPTIVE, cmd.argv, port=port, env=cmd.env)
+    return [ADAPTIVE]
+
+
+def adaptive_command(model: Path, port: int, settings: Path) -> Any:
+    """A single server's command (``splitserve.launch.engines.sglang_server``) with
+    splitserve's adaptive chunk budget on, its settings read from the YAML file ``settings``."""
+    return sglang_server(
         str(model),
         port,
         chunked_prefill_size=CHUNK,
         env={"SPLITSERVE_ADAPTIVE_BUDGET": "1", "SPLITSERVE_SCHEDULER_CONFIG": str(settings)},
     )
-    group.add(ADAPTIVE, cmd.argv, port=port, env=cmd.env)
-    return [ADAPTIVE]

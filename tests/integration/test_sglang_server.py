@@ -17,7 +17,6 @@ from sglang_servers import CHUNK
 
 pytest.importorskip("sglang")
 
-from splitserve.launch.engines import sglang_server  # noqa: E402
 from splitserve.launch.process import ProcessStartError  # noqa: E402
 from splitserve.netutil import free_port  # noqa: E402
 
@@ -62,12 +61,7 @@ def test_bad_budget_setting_stops_start_up(servers, tiny_model, tmp_path):
     settings = tmp_path / "bad.yaml"
     settings.write_text("target_itl_ms: 40\nmax_chunk: 100000\n")
     port = free_port()
-    cmd = sglang_server(
-        str(tiny_model),
-        port,
-        chunked_prefill_size=CHUNK,
-        env={"SPLITSERVE_ADAPTIVE_BUDGET": "1", "SPLITSERVE_SCHEDULER_CONFIG": str(settings)},
-    )
+    cmd = sglang_servers.adaptive_command(tiny_model, port, settings)
     key = "sglang-bad-budget"
     servers.group.add(key, cmd.argv, port=port, env=cmd.env)
     with pytest.raises(ProcessStartError) as failure:

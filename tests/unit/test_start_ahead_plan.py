@@ -16,12 +16,7 @@ import splitserve_servers  # noqa: E402
 import starters  # noqa: E402
 from module_order import INTEGRATION_ORDER, LIGHT_MODULES  # noqa: E402
 
-FIRST_FOUR = [
-    "test_smoke_vllm.py",
-    "test_adaptive_scheduler.py",
-    "test_proxy_vllm.py",
-    "test_connector_vllm.py",
-]
+FIRST_THREE = ["test_smoke_vllm.py", "test_adaptive_scheduler.py", "test_proxy_vllm.py"]
 SGLANG_PD = [
     sglang_servers.start_prefill,
     sglang_servers.start_decode,
@@ -30,20 +25,19 @@ SGLANG_PD = [
 
 
 def test_unit_tests_first_start_the_first_modules_servers_once_each_in_order():
-    plan = starters.plan(FIRST_FOUR, unit_first=True)
+    plan = starters.plan(FIRST_THREE, unit_first=True)
     assert plan.triggers == {
         starters.UNIT: [
             ("test_smoke_vllm.py", [starters.unified]),
             ("test_adaptive_scheduler.py", [starters.adaptive_scheduler]),
             ("test_proxy_vllm.py", [starters.stock_nixl_pair]),
-            ("test_connector_vllm.py", [splitserve_servers.start_pair]),
         ]
     }
-    assert plan.targets == set(FIRST_FOUR)
+    assert plan.targets == set(FIRST_THREE)
 
 
 def test_no_unit_tests_first_means_no_unit_window():
-    plan = starters.plan(FIRST_FOUR, unit_first=False)
+    plan = starters.plan(FIRST_THREE, unit_first=False)
     assert plan.triggers == {} and plan.targets == set()
 
 
