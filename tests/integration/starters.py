@@ -1,15 +1,14 @@
-"""Servers started ahead, while tests that leave a core idle run: how the first integration
-modules start theirs (each module's fixture calls its starter here; the SGLang ones are in
-sglang_servers.py), and ``AHEAD``, the schedule that the pool's start-ahead
-(``ServerPool.start_ahead``, tests/server_pool.py) follows. Both must start a key the same way:
-the pool hands whoever asks second the server the first one started.
+"""Servers started ahead, while tests that leave CPU idle run: how the first integration
+modules start theirs (each module's fixture calls its starter here; the others are in
+sglang_servers.py, splitserve_servers.py, fault_fleet.py and lmcache_fleet.py), and ``AHEAD``,
+the schedule that the pool's start-ahead (``ServerPool.start_ahead``, tests/server_pool.py)
+follows. Both must start a key the same way: the pool hands whoever asks second the server the
+first one started.
 
 A starter adds its servers to the pool without waiting (``wait=False``) and returns their keys;
-whoever needs them waits (``servers.wait_all``). The unit tests keep one core busy for about
-three minutes, and so do the integration modules that start no engine server
-(``LIGHT_MODULES``, about two and a half minutes); a server start fits on the other core. The
-servers started ahead of a trigger fill the pool (``MAX_RUNNING_SERVERS``, 4) and no more, so
-that none is evicted before its module runs.
+whoever needs them waits (``servers.wait_all``). A server started ahead is never evicted before
+its module claims it, so a window's servers run beside the running module's for a while
+(docs/environment.md, "Test harness", has the memory this takes).
 """
 
 from __future__ import annotations
